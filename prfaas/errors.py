@@ -1,0 +1,123 @@
+"""One exception tree for prfaas; every error carries the wire code of CONTRACTS.md.
+
+    PrfaasError                      code            HTTP  retryable
+    ├── KVNotFound                   KV_NOT_FOUND     503   yes (re-prefill)
+    ├── KVExpired                    KV_EXPIRED       503   yes (re-prefill)
+    ├── KVTimeout                    KV_TIMEOUT       504   yes
+    ├── KVCorrupt                    KV_CORRUPT       502   yes (fetch again)
+    ├── KVTruncated                  KV_TRUNCATED     502   yes (resume)
+    ├── KVBadFormat                  KV_BAD_FORMAT    502   no
+    ├── KVIncompatible               KV_INCOMPATIBLE  502   no   (409 at registration)
+    ├── KVUnauthorized               KV_UNAUTHORIZED  403   no
+    ├── KVTooLarge                   KV_TOO_LARGE     413   no
+    ├── KVStoreFull                  KV_STORE_FULL    503   yes (after back-off)
+    ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
+    └── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
+
+Third-party errors are mapped at the boundary (``raise KVCorrupt(...) from exc``); callers that must decide per
+item receive errors as data (``error_from_code``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class PrfaasError(Exception):
+    """Base of every prfaas error. ``code`` is the wire code; ``http_status`` what the router answers."""
+
+    code: ClassVar[str] = "PRFAAS_ERROR"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message}
+
+
+class KVNotFound(PrfaasError):
+    code = "KV_NOT_FOUND"
+    http_status = 503
+    retryable = True
+
+
+class KVExpired(PrfaasError):
+    code = "KV_EXPIRED"
+    http_status = 503
+    retryable = True
+
+
+class KVTimeout(PrfaasError):
+    code = "KV_TIMEOUT"
+    http_status = 504
+    retryable = True
+
+
+class KVCorrupt(PrfaasError):
+    code = "KV_CORRUPT"
+    http_status = 502
+    retryable = True
+
+
+class KVTruncated(PrfaasError):
+    code = "KV_TRUNCATED"
+    http_status = 502
+    retryable = True
+
+
+class KVBadFormat(PrfaasError):
+    code = "KV_BAD_FORMAT"
+    http_status = 502
+
+
+class KVIncompatible(PrfaasError):
+    code = "KV_INCOMPATIBLE"
+    http_status = 502
+
+
+class KVUnauthorized(PrfaasError):
+    code = "KV_UNAUTHORIZED"
+    http_status = 403
+
+
+class KVTooLarge(PrfaasError):
+    code = "KV_TOO_LARGE"
+    http_status = 413
+
+
+class KVStoreFull(PrfaasError):
+    code = "KV_STORE_FULL"
+    http_status = 503
+    retryable = True
+
+
+class KVUnavailable(PrfaasError):
+    code = "KV_UNAVAILABLE"
+    http_status = 503
+    retryable = True
+
+
+class InvalidRequest(PrfaasError):
+    code = "INVALID_REQUEST"
+    http_status = 400
+
+
+_BY_CODE: dict[str, type[PrfaasError]] = {
+    cls.code: cls
+    for cls in (
+        KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
+        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, InvalidRequest,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> PrfaasError:
+    """Rebuild the exception a peer reported on the wire; unknown codes become the base class."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        err = PrfaasError(f"{code}: {message}")
+        return err
+    return cls(message)

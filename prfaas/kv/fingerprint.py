@@ -1,0 +1,67 @@
+"""The compatibility fingerprint: both sides of a KV transfer must agree on it, or the transfer is refused."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import xxhash
+
+from prfaas.errors import KVBadFormat, KVIncompatible
+
+FORMAT_VERSION = 1
+# Readers accept these blob format versions (current and previous, for rolling upgrades).
+SUPPORTED_VERSIONS = frozenset({1})
+
+
+_LENIENT = frozenset({"model", "format_version"})
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What must match for a KV state made by one engine to be restored by another.
+
+    ``weights`` and ``tokenizer`` are xxHash64 digests; ``dtype`` is the KV dtype the cache holds (the codec is
+    per blob and travels in the blob header instead).
+    """
+
+    model: str
+    arch: str
+    weights: str
+    tokenizer: str
+    dtype: str
+    max_seq_len: int
+    format_version: int = FORMAT_VERSION
+
+    def short_hash(self) -> str:
+        """12 hex digits over every field: the prefix of each ``kv_id``."""
+        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        return xxhash.xxh64_hexdigest(text.encode())[:12]
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Fingerprint:
+        names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise KVBadFormat(f"fingerprint must have exactly the fields {sorted(names)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise KVBadFormat(f"bad fingerprint: {exc}") from exc
+
+    def mismatches(self, other: Fingerprint) -> list[str]:
+        """Names of the fields that differ. The display name is informative only; a format version is
+        compatible when this side reads it (current or previous), so rolling upgrades can mix versions."""
+        bad = [f.name for f in fields(self) if f.name not in _LENIENT and getattr(self, f.name) != getattr(other, f.name)]
+        if other.format_version not in SUPPORTED_VERSIONS:
+            bad.append("format_version")
+        return bad
+
+    def check_compatible(self, other: Fingerprint) -> None:
+        """Raise ``KVIncompatible`` naming each mismatching field with both values."""
+        bad = self.mismatches(other)
+        if bad:
+            detail = "; ".join(f"{n}: {getattr(self, n)!r} here, {getattr(other, n)!r} in the KV" for n in bad)
+            raise KVIncompatible(f"KV state does not match this engine ({detail})")

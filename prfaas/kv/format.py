@@ -1,0 +1,379 @@
+"""The KV blob: a versioned, checksummed, chunked binary format (no pickle; msgpack for the small headers).
+
+::
+
+    header   "PRKV" u16 version  u32 n  msgpack{kv_id, fingerprint, codec, seq_len, cache, chunk_size,
+                                          layers: [{index, kind, grows, window}], created_ms}  u64 xxh64
+    chunk    "C" u32 index u32 length u64 xxh64(data)  data          (repeated; ≤ chunk_size each)
+    trailer  "T" u32 n  msgpack{total_bytes, chunk_count, payload_xxh64, first_token}  u64 xxh64
+
+The chunks cut one payload stream, which holds the layers in order; a layer is ``u32 n, msgpack{index, kind,
+grows, window, attrs, tensors: [desc]}`` followed by each tensor's wire parts. A chunk is cut as soon as it is full,
+so chunks of early layers leave while later layers are still being computed. Every length read from the wire is
+checked against limits before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from prfaas.errors import KVBadFormat, KVCorrupt, KVTooLarge, KVTruncated
+from prfaas.kv import codecs
+from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
+from prfaas.kv.kvid import check_kv_id, new_kv_id
+from prfaas.kv.state import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BYTES, LAYER_KINDS, KVState, LayerState
+
+MAGIC = b"PRKV"
+_HEADER = struct.Struct(">4sHI")
+_CHUNK = struct.Struct(">cIIQ")
+_TRAILER = struct.Struct(">cI")
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+MAX_META = 1 << 20
+MIN_CHUNK, MAX_CHUNK = 4 << 10, 64 << 20
+MAX_LAYERS, MAX_TENSORS = 4096, 64
+
+
+@dataclass(frozen=True)
+class BlobHeader:
+    kv_id: str
+    fingerprint: Fingerprint
+    codec: str
+    seq_len: int
+    cache: str
+    chunk_size: int
+    layers: tuple[dict[str, Any], ...]
+    created_ms: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"kv_id": self.kv_id, "fingerprint": self.fingerprint.to_wire(), "codec": self.codec,
+                "seq_len": self.seq_len, "cache": self.cache, "chunk_size": self.chunk_size,
+                "layers": list(self.layers), "created_ms": self.created_ms}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> BlobHeader:
+        try:
+            layers = tuple(_check_table_entry(e) for e in data["layers"])
+            header = cls(kv_id=check_kv_id(data["kv_id"]), fingerprint=Fingerprint.from_wire(data["fingerprint"]),
+                         codec=codecs.check_codec(data["codec"]), seq_len=int(data["seq_len"]),
+                         cache=str(data["cache"]), chunk_size=int(data["chunk_size"]), layers=layers,
+                         created_ms=int(data["created_ms"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVBadFormat(f"bad blob header: {exc!r}") from exc
+        except Exception as exc:
+            if isinstance(exc, KVBadFormat):
+                raise
+            raise KVBadFormat(f"bad blob header: {exc}") from exc
+        if not MIN_CHUNK <= header.chunk_size <= MAX_CHUNK or len(layers) > MAX_LAYERS or header.seq_len < 0:
+            raise KVBadFormat("blob header field out of limits (chunk_size, layer count or seq_len)")
+        return header
+
+
+@dataclass(frozen=True)
+class BlobTrailer:
+    total_bytes: int
+    chunk_count: int
+    payload_xxh64: int
+    first_token: int | None
+
+
+def _check_table_entry(entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, dict) or entry.get("kind") not in LAYER_KINDS:
+        raise KVBadFormat(f"bad layer table entry {str(entry)[:100]}")
+    window = entry.get("window")
+    return {"index": int(entry["index"]), "kind": entry["kind"], "grows": bool(entry["grows"]),
+            "window": None if window is None else int(window)}
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _unpack(data: bytes | memoryview) -> Any:
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise KVBadFormat(f"undecodable msgpack field: {exc}") from exc
+
+
+class BlobWriter:
+    """Builds a blob incrementally: ``header_frame()``, then ``add_layer()`` per layer, then ``finish()``.
+
+    ``add_layer`` returns the chunk frames that became complete, so a caller can send them at once.
+    """
+
+    def __init__(self, header: BlobHeader) -> None:
+        self.header = header
+        self._pending = bytearray()
+        self._index = 0
+        self._total = 0
+        self._hash = xxhash.xxh64()
+
+    @classmethod
+    def for_state(cls, state: KVState, codec: str = "none", kv_id: str | None = None,
+                  chunk_size: int = DEFAULT_CHUNK_BYTES) -> BlobWriter:
+        header = BlobHeader(
+            kv_id=kv_id or state.kv_id or new_kv_id(state.fingerprint.short_hash()),
+            fingerprint=state.fingerprint, codec=codecs.check_codec(codec), seq_len=state.seq_len,
+            cache=state.cache, chunk_size=chunk_size, layers=tuple(x.table_entry() for x in state.layers),
+            created_ms=int(time.time() * 1000))
+        return cls(header)
+
+    def header_frame(self) -> bytes:
+        meta = _pack(self.header.to_wire())
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
+
+    def add_layer(self, layer: LayerState) -> list[bytes]:
+        encoded = [codecs.encode(name, arr, self.header.codec, layer.role(name)) for name, arr in
+                   layer.tensors.items()]
+        meta = _pack({**layer.table_entry(), "attrs": layer.attrs, "tensors": [e.desc for e in encoded]})
+        self._pending += _U32.pack(len(meta))
+        self._pending += meta
+        for enc in encoded:
+            for part in enc.parts:
+                self._pending += np.ascontiguousarray(part).view(np.uint8).reshape(-1).data
+        return self._cut(final=False)
+
+    def finish(self, first_token: int | None) -> list[bytes]:
+        frames = self._cut(final=True)
+        meta = _pack({"total_bytes": self._total, "chunk_count": self._index,
+                      "payload_xxh64": self._hash.intdigest(), "first_token": first_token})
+        frames.append(_TRAILER.pack(b"T", len(meta)) + meta + _U64.pack(xxhash.xxh64_intdigest(meta)))
+        return frames
+
+    def _cut(self, final: bool) -> list[bytes]:
+        size, off, frames = self.header.chunk_size, 0, []
+        view = memoryview(self._pending)
+        while len(view) - off >= size or (final and off < len(view)):
+            data = bytes(view[off:off + size])
+            off += len(data)
+            frames.append(chunk_frame_head(self._index, data) + data)
+            self._hash.update(data)
+            self._index += 1
+            self._total += len(data)
+        view.release()
+        del self._pending[:off]
+        return frames
+
+
+def chunk_frame_head(index: int, data: bytes | memoryview) -> bytes:
+    return _CHUNK.pack(b"C", index, len(data), xxhash.xxh64_intdigest(data))
+
+
+class BlobReader:
+    """Parses a blob fed in arbitrary pieces; verifies every chunk before its bytes are used.
+
+    ``feed`` returns the layers completed so far, so decode can restore layer by layer while chunks still arrive.
+    ``next_chunk`` is where a resumed read starts. Errors: ``KVBadFormat`` (magic, version, limits, order),
+    ``KVCorrupt`` (any checksum), ``KVTooLarge`` (over ``max_bytes``), ``KVTruncated`` (``state()`` before the
+    trailer).
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.header: BlobHeader | None = None
+        self.trailer: BlobTrailer | None = None
+        self.layers: list[LayerState] = []
+        self.next_chunk = 0
+        self._buf = bytearray()
+        self._payload = _PayloadParser(self)
+        self._hash = xxhash.xxh64()
+        self._total = 0
+
+    @property
+    def done(self) -> bool:
+        return self.trailer is not None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[LayerState]:
+        if self.done and len(data):
+            raise KVBadFormat("data after the blob trailer")
+        self._buf += data
+        before = len(self.layers)
+        off = 0
+        with memoryview(self._buf) as view:
+            while not self.done:
+                used = self._frame(view[off:])
+                if used == 0:
+                    break
+                off += used
+        del self._buf[:off]
+        if self.done and self._buf:
+            raise KVBadFormat("data after the blob trailer")
+        return self.layers[before:]
+
+    def feed_chunk(self, index: int, data: bytes | memoryview, checksum: int) -> list[LayerState]:
+        """For transports that frame chunks themselves: one verified chunk of payload."""
+        if self.header is None:
+            raise KVBadFormat("chunk before the blob header")
+        if index != self.next_chunk:
+            raise KVBadFormat(f"chunk {index} out of order; expected {self.next_chunk}")
+        if len(data) > self.header.chunk_size:
+            raise KVBadFormat(f"chunk {index} is {len(data)} bytes, over the blob's chunk size")
+        if xxhash.xxh64_intdigest(data) != checksum:
+            raise KVCorrupt(f"chunk {index} failed its xxHash64 check")
+        self._total += len(data)
+        if self._total > self.max_bytes:
+            raise KVTooLarge(f"blob exceeds the {self.max_bytes}-byte limit")
+        self._hash.update(data)
+        self.next_chunk += 1
+        before = len(self.layers)
+        self._payload.feed(data)
+        return self.layers[before:]
+
+    def state(self) -> KVState:
+        """The whole verified state; ``KVTruncated`` if the trailer has not arrived."""
+        if self.header is None or self.trailer is None:
+            raise KVTruncated(f"blob ended early after {self.next_chunk} chunks")
+        return KVState(fingerprint=self.header.fingerprint, seq_len=self.header.seq_len, layers=self.layers,
+                       cache=self.header.cache, first_token=self.trailer.first_token, kv_id=self.header.kv_id,
+                       codec=self.header.codec)
+
+    def _frame(self, view: memoryview) -> int:
+        """Consume one frame from ``view`` if it is complete; returns the bytes used (0: need more)."""
+        if self.header is None:
+            return self._header_frame(view)
+        if len(view) < 1:
+            return 0
+        tag = bytes(view[:1])
+        if tag == b"C":
+            if len(view) < _CHUNK.size:
+                return 0
+            _, index, length, checksum = _CHUNK.unpack(view[:_CHUNK.size])
+            if length > self.header.chunk_size:
+                raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size")
+            end = _CHUNK.size + length
+            if len(view) < end:
+                return 0
+            self.feed_chunk(index, view[_CHUNK.size:end], checksum)
+            return end
+        if tag == b"T":
+            return self._trailer_frame(view)
+        raise KVBadFormat(f"unknown frame tag {tag!r}")
+
+    def _header_frame(self, view: memoryview) -> int:
+        if len(view) < _HEADER.size:
+            if bytes(view[:len(MAGIC)]) != MAGIC[:len(view)]:
+                raise KVBadFormat("not a prfaas KV blob (wrong magic)")
+            return 0
+        magic, version, n = _HEADER.unpack(view[:_HEADER.size])
+        if magic != MAGIC:
+            raise KVBadFormat("not a prfaas KV blob (wrong magic)")
+        if version not in SUPPORTED_VERSIONS:
+            raise KVBadFormat(f"unknown KV format version {version}; this reader supports {sorted(SUPPORTED_VERSIONS)}")
+        if n > MAX_META:
+            raise KVBadFormat(f"blob header of {n} bytes is over the {MAX_META}-byte limit")
+        meta = _verified_meta(view[_HEADER.size:], n, "header")
+        if meta is None:
+            return 0
+        self.header = BlobHeader.from_wire(_unpack(meta))
+        return _HEADER.size + n + _U64.size
+
+    def _trailer_frame(self, view: memoryview) -> int:
+        if len(view) < _TRAILER.size:
+            return 0
+        _, n = _TRAILER.unpack(view[:_TRAILER.size])
+        if n > MAX_META:
+            raise KVBadFormat("blob trailer over its size limit")
+        meta = _verified_meta(view[_TRAILER.size:], n, "trailer")
+        if meta is None:
+            return 0
+        data = _unpack(meta)
+        try:
+            trailer = BlobTrailer(int(data["total_bytes"]), int(data["chunk_count"]), int(data["payload_xxh64"]),
+                                  None if data["first_token"] is None else int(data["first_token"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise KVBadFormat(f"bad blob trailer: {exc!r}") from exc
+        self._check_trailer(trailer)
+        self.trailer = trailer
+        return _TRAILER.size + n + _U64.size
+
+    def _check_trailer(self, trailer: BlobTrailer) -> None:
+        if trailer.chunk_count != self.next_chunk or trailer.total_bytes != self._total:
+            raise KVCorrupt(f"trailer says {trailer.chunk_count} chunks / {trailer.total_bytes} bytes, "
+                            f"received {self.next_chunk} / {self._total}")
+        if trailer.payload_xxh64 != self._hash.intdigest():
+            raise KVCorrupt("whole-blob xxHash64 mismatch")
+        self._payload.close()
+        assert self.header is not None
+        if [x.index for x in self.layers] != [e["index"] for e in self.header.layers]:
+            raise KVBadFormat("layers in the payload do not match the header's layer table")
+
+
+def _verified_meta(view: memoryview, n: int, what: str) -> memoryview | None:
+    if len(view) < n + _U64.size:
+        return None
+    meta = view[:n]
+    (checksum,) = _U64.unpack(view[n:n + _U64.size])
+    if xxhash.xxh64_intdigest(meta) != checksum:
+        raise KVCorrupt(f"blob {what} failed its xxHash64 check")
+    return meta
+
+
+class _PayloadParser:
+    """Turns the verified payload stream back into ``LayerState`` objects as each layer completes."""
+
+    def __init__(self, reader: BlobReader) -> None:
+        self.reader = reader
+        self._buf = bytearray()
+        self._meta: dict[str, Any] | None = None
+        self._layouts: list[list[tuple[np.dtype, tuple[int, ...]]]] = []
+        self._need = 0
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._buf += data
+        while self._step():
+            pass
+
+    def close(self) -> None:
+        if self._buf or self._meta is not None:
+            raise KVTruncated("payload ended inside a layer")
+
+    def _step(self) -> bool:
+        if self._meta is None:
+            if len(self._buf) < _U32.size:
+                return False
+            (n,) = _U32.unpack(self._buf[:_U32.size])
+            if n > MAX_META:
+                raise KVBadFormat(f"layer record of {n} bytes is over the limit")
+            if len(self._buf) < _U32.size + n:
+                return False
+            self._begin_layer(_unpack(bytes(self._buf[_U32.size:_U32.size + n])))
+            del self._buf[:_U32.size + n]
+        if len(self._buf) < self._need:
+            return False
+        self._end_layer()
+        return True
+
+    def _begin_layer(self, meta: Any) -> None:
+        if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
+            raise KVBadFormat("bad layer record")
+        if len(meta["tensors"]) > MAX_TENSORS or len(self.reader.layers) >= MAX_LAYERS:
+            raise KVBadFormat("too many tensors or layers")
+        self._layouts = [codecs.part_layout(desc) for desc in meta["tensors"]]
+        need = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for lay in self._layouts for dt, shape in lay)
+        if need > self.reader.max_bytes:
+            raise KVTooLarge(f"layer of {need} bytes exceeds the {self.reader.max_bytes}-byte limit")
+        self._meta, self._need = meta, need
+
+    def _end_layer(self) -> None:
+        assert self._meta is not None
+        meta, off, tensors = self._meta, 0, {}
+        raw = bytes(self._buf[:self._need])
+        for desc, layout in zip(meta["tensors"], self._layouts, strict=True):
+            parts = []
+            for dt, shape in layout:
+                n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                parts.append(np.frombuffer(raw, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+                off += n
+            tensors[str(desc["name"])] = codecs.decode(desc, parts)
+        entry = _check_table_entry(meta)
+        self.reader.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
+        del self._buf[:self._need]
+        self._meta, self._need = None, 0
