@@ -15,6 +15,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Prefill-as-a-Service: prefill in one datacenter, decode in another, KV over Ethernet."""
+
+
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", help="built-in name, HF directory or .gguf file"),
@@ -29,6 +34,13 @@ def demo(
 
 
 # Sub-apps of other packages are added here, e.g. app.add_typer(plan_app, name="plan").
+from prfaas.plan.cli import app as plan_app  # noqa: E402
+from prfaas.plan.cli import measure as measure_cmd  # noqa: E402
+from prfaas.probe.cli import app as probe_app  # noqa: E402
+
+app.add_typer(plan_app, name="plan")
+app.add_typer(probe_app, name="probe")
+app.command("measure")(measure_cmd)
 
 
 def main() -> None:

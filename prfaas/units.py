@@ -17,7 +17,7 @@ _NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", r
 
 def _parse(text: str, table: dict[str, float] | dict[str, int], what: str) -> float:
     match = _NUMBER.match(str(text))
-    unit = match.group(2).lower() if match else None
+    unit = match.group(2).lower() if match else ""
     if match is None or unit not in table:
         units = ", ".join(sorted(u for u in table if u))
         raise InvalidRequest(f"cannot read {what} {text!r}: expected a number with one of: {units}")

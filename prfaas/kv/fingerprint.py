@@ -54,7 +54,8 @@ class Fingerprint:
     def mismatches(self, other: Fingerprint) -> list[str]:
         """Names of the fields that differ. The display name is informative only; a format version is
         compatible when this side reads it (current or previous), so rolling upgrades can mix versions."""
-        bad = [f.name for f in fields(self) if f.name not in _LENIENT and getattr(self, f.name) != getattr(other, f.name)]
+        names = [f.name for f in fields(self) if f.name not in _LENIENT]
+        bad = [n for n in names if getattr(self, n) != getattr(other, n)]
         if other.format_version not in SUPPORTED_VERSIONS:
             bad.append("format_version")
         return bad

@@ -2,10 +2,13 @@
 
 ::
 
-    header   "PRKV" u16 version  u32 n  msgpack{kv_id, fingerprint, codec, seq_len, cache, chunk_size,
-                                          layers: [{index, kind, grows, window}], created_ms}  u64 xxh64
-    chunk    "C" u32 index u32 length u64 xxh64(data)  data          (repeated; ≤ chunk_size each)
-    trailer  "T" u32 n  msgpack{total_bytes, chunk_count, payload_xxh64, first_token}  u64 xxh64
+    header   "PRKV" u16 version u32 n u32 h  msgpack{kv_id, fingerprint, codec, seq_len, cache, chunk_size,
+                                              layers: [{index, kind, grows, window}], created_ms}  u64 xxh64
+    chunk    "C" u32 index u32 length u64 xxh64(data) u32 h  data      (repeated; ≤ chunk_size each)
+    trailer  "T" u32 n u32 h  msgpack{total_bytes, chunk_count, payload_xxh64, first_token}  u64 xxh64
+
+``h`` is the xxHash32 of the frame head before it, so every byte of a blob is covered by a checksum: a damaged
+byte anywhere is ``KV_CORRUPT`` (a damaged magic is ``KV_BAD_FORMAT``: not a blob at all).
 
 The chunks cut one payload stream, which holds the layers in order; a layer is ``u32 n, msgpack{index, kind,
 grows, window, attrs, tensors: [desc]}`` followed by each tensor's wire parts. A chunk is cut as soon as it is full,
@@ -34,6 +37,7 @@ MAGIC = b"PRKV"
 _HEADER = struct.Struct(">4sHI")
 _CHUNK = struct.Struct(">cIIQ")
 _TRAILER = struct.Struct(">cI")
+_HEAD_SUM = struct.Struct(">I")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
 MAX_META = 1 << 20
@@ -128,7 +132,7 @@ class BlobWriter:
 
     def header_frame(self) -> bytes:
         meta = _pack(self.header.to_wire())
-        return _HEADER.pack(MAGIC, FORMAT_VERSION, len(meta)) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
+        return _sealed(_HEADER.pack(MAGIC, FORMAT_VERSION, len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
 
     def add_layer(self, layer: LayerState) -> list[bytes]:
         encoded = [codecs.encode(name, arr, self.header.codec, layer.role(name)) for name, arr in
@@ -145,7 +149,7 @@ class BlobWriter:
         frames = self._cut(final=True)
         meta = _pack({"total_bytes": self._total, "chunk_count": self._index,
                       "payload_xxh64": self._hash.intdigest(), "first_token": first_token})
-        frames.append(_TRAILER.pack(b"T", len(meta)) + meta + _U64.pack(xxhash.xxh64_intdigest(meta)))
+        frames.append(_sealed(_TRAILER.pack(b"T", len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta)))
         return frames
 
     def _cut(self, final: bool) -> list[bytes]:
@@ -164,7 +168,25 @@ class BlobWriter:
 
 
 def chunk_frame_head(index: int, data: bytes | memoryview) -> bytes:
-    return _CHUNK.pack(b"C", index, len(data), xxhash.xxh64_intdigest(data))
+    return _sealed(_CHUNK.pack(b"C", index, len(data), xxhash.xxh64_intdigest(data)))
+
+
+CHUNK_HEAD_SIZE = _CHUNK.size + _HEAD_SUM.size
+
+
+def _sealed(head: bytes) -> bytes:
+    return head + _HEAD_SUM.pack(xxhash.xxh32_intdigest(head))
+
+
+def _unsealed(view: memoryview, st: struct.Struct, what: str) -> tuple[Any, ...] | None:
+    """Unpack a frame head after checking its own checksum; None if it is not complete yet."""
+    if len(view) < st.size + _HEAD_SUM.size:
+        return None
+    head = view[:st.size]
+    (checksum,) = _HEAD_SUM.unpack(view[st.size:st.size + _HEAD_SUM.size])
+    if xxhash.xxh32_intdigest(head) != checksum:
+        raise KVCorrupt(f"damaged {what} frame head")
+    return st.unpack(head)
 
 
 class BlobReader:
@@ -243,45 +265,48 @@ class BlobReader:
             return 0
         tag = bytes(view[:1])
         if tag == b"C":
-            if len(view) < _CHUNK.size:
+            head = _unsealed(view, _CHUNK, "chunk")
+            if head is None:
                 return 0
-            _, index, length, checksum = _CHUNK.unpack(view[:_CHUNK.size])
+            _, index, length, checksum = head
             if length > self.header.chunk_size:
-                raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size")
-            end = _CHUNK.size + length
+                raise KVCorrupt(f"chunk {index} claims {length} bytes, over the blob's chunk size")
+            end = CHUNK_HEAD_SIZE + length
             if len(view) < end:
                 return 0
-            self.feed_chunk(index, view[_CHUNK.size:end], checksum)
+            self.feed_chunk(index, view[CHUNK_HEAD_SIZE:end], checksum)
             return end
         if tag == b"T":
             return self._trailer_frame(view)
-        raise KVBadFormat(f"unknown frame tag {tag!r}")
+        raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
 
     def _header_frame(self, view: memoryview) -> int:
-        if len(view) < _HEADER.size:
-            if bytes(view[:len(MAGIC)]) != MAGIC[:len(view)]:
-                raise KVBadFormat("not a prfaas KV blob (wrong magic)")
-            return 0
-        magic, version, n = _HEADER.unpack(view[:_HEADER.size])
-        if magic != MAGIC:
+        if bytes(view[:len(MAGIC)]) != MAGIC[:min(len(view), len(MAGIC))]:
             raise KVBadFormat("not a prfaas KV blob (wrong magic)")
+        head = _unsealed(view, _HEADER, "header")
+        if head is None:
+            return 0
+        _, version, n = head
         if version not in SUPPORTED_VERSIONS:
             raise KVBadFormat(f"unknown KV format version {version}; this reader supports {sorted(SUPPORTED_VERSIONS)}")
         if n > MAX_META:
             raise KVBadFormat(f"blob header of {n} bytes is over the {MAX_META}-byte limit")
-        meta = _verified_meta(view[_HEADER.size:], n, "header")
+        start = _HEADER.size + _HEAD_SUM.size
+        meta = _verified_meta(view[start:], n, "header")
         if meta is None:
             return 0
         self.header = BlobHeader.from_wire(_unpack(meta))
-        return _HEADER.size + n + _U64.size
+        return start + n + _U64.size
 
     def _trailer_frame(self, view: memoryview) -> int:
-        if len(view) < _TRAILER.size:
+        head = _unsealed(view, _TRAILER, "trailer")
+        if head is None:
             return 0
-        _, n = _TRAILER.unpack(view[:_TRAILER.size])
+        _, n = head
         if n > MAX_META:
             raise KVBadFormat("blob trailer over its size limit")
-        meta = _verified_meta(view[_TRAILER.size:], n, "trailer")
+        start = _TRAILER.size + _HEAD_SUM.size
+        meta = _verified_meta(view[start:], n, "trailer")
         if meta is None:
             return 0
         data = _unpack(meta)
@@ -292,7 +317,7 @@ class BlobReader:
             raise KVBadFormat(f"bad blob trailer: {exc!r}") from exc
         self._check_trailer(trailer)
         self.trailer = trailer
-        return _TRAILER.size + n + _U64.size
+        return start + n + _U64.size
 
     def _check_trailer(self, trailer: BlobTrailer) -> None:
         if trailer.chunk_count != self.next_chunk or trailer.total_bytes != self._total:

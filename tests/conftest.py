@@ -1,0 +1,30 @@
+"""Shared fixtures: engines are loaded once per test session (loading is the slow part)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_ENGINES: dict[str, Any] = {}
+
+
+def get_engine(name: str) -> Any:
+    from prfaas.engine import load_engine
+
+    if name not in _ENGINES:
+        _ENGINES[name] = load_engine(name)
+    return _ENGINES[name]
+
+
+def random_prompt(length: int, seed: int = 0, vocab: int = 49152) -> list[int]:
+    rng = random.Random(seed * 100003 + length)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+@pytest.fixture(scope="session")
+def engines() -> Iterator[Any]:
+    yield get_engine
+    _ENGINES.clear()

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from prfaas.engine import load_engine
+from prfaas.engine.worker import DecodeWorker
+from prfaas.errors import InvalidRequest, KVBadFormat, KVIncompatible
+from prfaas.kv import KVState
+from tests.conftest import random_prompt
+
+HYBRID_KINDS = {
+    "tiny-llama": {"full_attention"},
+    "tiny-qwen3-next": {"linear_attention", "full_attention"},
+    "tiny-bamba": {"mamba", "full_attention"},
+    "tiny-lfm2": {"conv", "full_attention"},
+    "tiny-gemma3": {"sliding_attention", "full_attention"},
+    "tiny-kimi-linear": {"linear_attention", "mla"},
+    "tiny-minimax": {"cache_state", "full_attention"},
+}
+
+
+@pytest.mark.parametrize("name", HYBRID_KINDS)
+def test_layer_kinds_and_fixed_state(engines, name: str) -> None:
+    engine = engines(name)
+    short, long = (engine.prefill(random_prompt(n)).kv for n in (100, 300))
+    assert {layer.kind for layer in short.layers} - {"none"} == HYBRID_KINDS[name]
+    assert short.fixed_bytes == long.fixed_bytes  # fixed-size states do not grow with the prompt
+    for a, b in zip(short.layers, long.layers, strict=True):
+        assert (a.nbytes < b.nbytes) == a.grows
+
+
+def test_sliding_window_is_capped(engines) -> None:
+    engine = engines("tiny-gemma3")
+    kv = engine.prefill(random_prompt(500)).kv
+    sliding = [x for x in kv.layers if x.kind == "sliding_attention"]
+    assert all(x.window == 64 and x.tensors["keys"].shape[-2] < 64 for x in sliding)
+
+
+def test_layers_stream_during_prefill(engines) -> None:
+    engine = engines("tiny-qwen3-next")
+    seen = []
+    out = engine.prefill(random_prompt(200), on_layer=seen.append)
+    assert [x.index for x in seen] == list(range(engine.num_layers))
+    for streamed, final in zip(seen, out.kv.layers, strict=True):
+        assert streamed.tensors.keys() == final.tensors.keys()
+        assert all(np.array_equal(streamed.tensors[k], final.tensors[k]) for k in final.tensors)
+
+
+def test_fingerprint_mismatch_is_refused_with_field_names(engines) -> None:
+    engine = engines("tiny-llama")
+    out = engine.prefill(random_prompt(30))
+    forged = dataclasses.replace(out.kv, fingerprint=dataclasses.replace(engine.fingerprint, weights="0" * 16))
+    with pytest.raises(KVIncompatible, match="weights"):
+        engine.decode(forged, out.next_token)
+    with DecodeWorker("tiny-lfm2") as other, pytest.raises(KVIncompatible, match=r"arch.*weights"):
+        other.decode(out.kv.to_bytes(), out.next_token, 4)
+
+
+def test_bfloat16_engine_is_a_different_fingerprint(engines) -> None:
+    fp32 = engines("tiny-llama")
+    bf16 = load_engine("tiny-llama", dtype="bfloat16")
+    assert bf16.fingerprint.mismatches(fp32.fingerprint) == ["weights", "dtype"]
+    ids = random_prompt(40)
+    out = bf16.prefill(ids)
+    kv = KVState.from_bytes(out.kv.to_bytes())
+    assert kv.layers[0].tensors["keys"].dtype.name == "bfloat16"
+    assert [out.next_token, *bf16.decode(kv, out.next_token, 7)] == bf16.generate(ids, 8)
+
+
+def test_bad_prompts_are_clear_errors(engines) -> None:
+    engine = engines("tiny-llama")
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.prefill([])
+    with pytest.raises(InvalidRequest, match="context is 8192"):
+        engine.prefill([5] * 8192)
+    with pytest.raises(InvalidRequest, match=r"token ids must be in \[0, 49152\)"):
+        engine.prefill([49152])
+
+
+def test_unknown_model_names_the_choices() -> None:
+    with pytest.raises(InvalidRequest, match="tiny-llama"):
+        load_engine("no-such-model")
+    with pytest.raises(InvalidRequest, match="dtype"):
+        load_engine("tiny-llama", dtype="int3")
+
+
+def test_layer_count_mismatch_is_bad_format(engines) -> None:
+    engine = engines("tiny-llama")
+    kv = engine.prefill(random_prompt(10)).kv
+    with pytest.raises(KVBadFormat, match="layers"):
+        engine.decode(dataclasses.replace(kv, layers=kv.layers[:1]), 5)
+
+
+def test_loads_a_hugging_face_directory(engines, tmp_path) -> None:
+    engine = engines("tiny-lfm2")
+    engine.model.save_pretrained(tmp_path)
+    engine.tokenizer.save_pretrained(tmp_path)
+    again = load_engine(str(tmp_path))
+    assert again.fingerprint.mismatches(engine.fingerprint) == []
+    ids = random_prompt(64)
+    out = engine.prefill(ids)
+    assert again.decode(out.kv, out.next_token, 6) == engine.decode(out.kv, out.next_token, 6)
+
+
+def test_loads_a_gguf_file(engines) -> None:
+    from prfaas.engine.models import smollm2_gguf
+
+    engine = load_engine(str(smollm2_gguf()))
+    assert engine.fingerprint.mismatches(engines("smollm2-135m").fingerprint) == []
