@@ -15,6 +15,11 @@ app = typer.Typer(
 )
 
 
+@app.callback()
+def _root() -> None:
+    """Prefill-as-a-Service: prefill in one datacenter, decode in another, KV over Ethernet."""
+
+
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", help="built-in name, HF directory or .gguf file"),
