@@ -130,6 +130,8 @@ def verdict_json(checks: list[Check], largest: int, settings: dict[str, Any],
     ok = all(c.ok for c in checks)
     tight = [c.rule for c in checks if c.ok and c.limit > 0 and c.margin / c.limit < 0.2]
     verdict = "feasible" if ok and not tight else "marginal" if ok else "not feasible"
-    return {"verdict": verdict, "ok": ok, "checks": [asdict(c) for c in checks],
+    rows = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(c).items()}
+            for c in checks]  # JSON has no infinity: an impossible transfer is null
+    return {"verdict": verdict, "ok": ok, "checks": rows,
             "failed": [c.rule for c in checks if not c.ok], "tight": tight,
             "largest_prompt_tokens": largest, "recommended": settings, "advice": advice}

@@ -39,8 +39,10 @@ def link_table(out: dict[str, Any], console: Console) -> None:
     console.print(f"verdict: [bold {colour}]{out['verdict']}[/]")
     t = Table("rule", "ok", "value", "limit", "margin", "reason")
     for c in out["checks"]:
-        t.add_row(c["rule"], "yes" if c["ok"] else "[red]NO[/]", f"{c['value']:.4g} {c['unit']}",
-                  f"{c['limit']:.4g} {c['unit']}", f"{c['margin']:+.4g}", c["reason"])
+        value = "∞" if c["value"] is None else f"{c['value']:.4g} {c['unit']}"
+        margin = "-∞" if c["margin"] is None else f"{c['margin']:+.4g}"
+        t.add_row(c["rule"], "yes" if c["ok"] else "[red]NO[/]", value, f"{c['limit']:.4g} {c['unit']}",
+                  margin, c["reason"])
     console.print(t)
     console.print(f"largest prompt that fits: {out['largest_prompt_tokens']:,} tokens")
     s = Table("setting", "value")

@@ -94,6 +94,8 @@ def test_link_failure_says_why() -> None:
     assert set(out["failed"]) == {"bandwidth", "rtt", "loss", "transfer_p99"}
     assert any(a.startswith("bandwidth:") for a in out["advice"])
     assert out["largest_prompt_tokens"] < 32768
+    transfer = next(c for c in out["checks"] if c["rule"] == "transfer_p99")
+    assert transfer["value"] is None  # the link is saturated: no finite transfer time, and valid JSON
 
 
 def test_link_reads_kv_file(tmp_path: Path) -> None:
