@@ -7,8 +7,9 @@ shipped KV bit-identical to a monolithic ``generate``.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from prfaas.engine.cache import restore_layer, snapshot_layer
 from prfaas.errors import InvalidRequest, KVBadFormat
 from prfaas.kv import Fingerprint, KVState, LayerState
+from prfaas.messages import SamplingParams
 
 LayerCallback = Callable[[LayerState], None]
 
@@ -50,8 +52,25 @@ class Engine:
     def num_layers(self) -> int:
         return int(self.config.num_hidden_layers)
 
-    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None) -> PrefillOutput:
+    @property
+    def cache_class(self) -> str:
+        return self._cache_cls.__name__
+
+    @functools.cached_property
+    def layer_table(self) -> tuple[dict[str, Any], ...]:
+        """Kind, growth and window of every layer, known before a prompt runs (a blob header needs it)."""
+        return tuple(layer.table_entry() for layer in self.prefill([0]).kv.layers)
+
+    def prefill(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                sampling: SamplingParams | None = None) -> PrefillOutput:
         """Run the prompt; ``on_layer`` receives each layer's state as soon as that layer has run."""
+        cache, next_token, seconds = self.prefill_cache(token_ids, on_layer, sampling)
+        kv = self.snapshot(cache, len(token_ids), first_token=next_token)
+        return PrefillOutput(kv=kv, next_token=next_token, seconds=seconds)
+
+    def prefill_cache(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                      sampling: SamplingParams | None = None) -> tuple[Any, int, float]:
+        """Like ``prefill`` but keeps the live model cache (for decoding in the same process)."""
         ids = self._check_prompt(token_ids)
         cache = self.new_cache()
         started = time.perf_counter()
@@ -61,23 +80,32 @@ class Engine:
         finally:
             for hook in hooks:
                 hook.remove()
-        seconds = time.perf_counter() - started
-        next_token = int(torch.argmax(logits))
-        kv = self.snapshot(cache, len(ids), first_token=next_token)
-        return PrefillOutput(kv=kv, next_token=next_token, seconds=seconds)
+        return cache, pick_token(logits, sampling, step=0), time.perf_counter() - started
 
-    def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16) -> list[int]:
-        """Greedy tokens that follow ``next_token``; stops after an EOS (included) or ``max_new_tokens``."""
-        cache = self.restore(kv)
-        tokens: list[int] = []
-        current, position = int(next_token), kv.seq_len
-        while len(tokens) < max_new_tokens and current not in self.eos_token_ids:
-            if position + 1 > self.max_seq_len:
-                break
-            current = int(torch.argmax(self._forward([current], cache, start=position)))
-            tokens.append(current)
+    def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16,
+               sampling: SamplingParams | None = None) -> list[int]:
+        """Tokens that follow ``next_token`` (greedy by default); stops after an EOS (included) or
+        ``max_new_tokens``."""
+        return list(self.stream(self.restore(kv), next_token, kv.seq_len, max_new_tokens, sampling))
+
+    def stream(self, cache: Any, next_token: int, position: int, max_new_tokens: int,
+               sampling: SamplingParams | None = None) -> Iterator[int]:
+        """Yield tokens one by one from a live cache holding ``position`` tokens (``next_token`` not yet fed)."""
+        current, produced = int(next_token), 0
+        while produced < max_new_tokens and current not in self.eos_token_ids and position < self.max_seq_len:
+            current = pick_token(self._forward([current], cache, start=position), sampling, step=produced + 1)
+            produced += 1
             position += 1
-        return tokens
+            yield current
+
+    def continuation_logits(self, kv: KVState, tokens: Sequence[int]) -> torch.Tensor:
+        """Teacher-forced logits (float32, one row per token) after feeding ``tokens`` on top of ``kv``.
+
+        Used to measure what a lossy codec does to the next-token distribution.
+        """
+        cache = self.restore(kv)
+        rows = [self._forward([int(t)], cache, start=kv.seq_len + i) for i, t in enumerate(tokens)]
+        return torch.stack(rows)
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:
         """Monolithic reference: ``model.generate`` greedy, prompt excluded (first token included)."""
@@ -150,6 +178,19 @@ class Engine:
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[0]], device=self.device), use_cache=True)
         return type(out.cache)
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams | None, step: int) -> int:
+    """Greedy, or a draw from a generator seeded by (seed, step): the same on every host."""
+    if sampling is None or sampling.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + step) % (2**63))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def _decoder_layers(model: Any) -> Any:
