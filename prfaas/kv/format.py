@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from prfaas.errors import KVBadFormat, KVCorrupt, KVTooLarge, KVTruncated
+from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTooLarge, KVTruncated
 from prfaas.kv import codecs
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
 from prfaas.kv.kvid import check_kv_id, new_kv_id
@@ -119,6 +119,7 @@ class BlobWriter:
         self._index = 0
         self._total = 0
         self._hash = xxhash.xxh64()
+        self._frame_bytes = 0
 
     @classmethod
     def for_state(cls, state: KVState, codec: str = "none", kv_id: str | None = None,
@@ -130,9 +131,20 @@ class BlobWriter:
             created_ms=int(time.time() * 1000))
         return cls(header)
 
+    @property
+    def chunks_written(self) -> int:
+        return self._index
+
+    @property
+    def bytes_written(self) -> int:
+        """Every byte of every frame produced so far (header, chunk heads and data, trailer)."""
+        return self._frame_bytes
+
     def header_frame(self) -> bytes:
         meta = _pack(self.header.to_wire())
-        return _sealed(_HEADER.pack(MAGIC, FORMAT_VERSION, len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
+        frame = _sealed(_HEADER.pack(MAGIC, FORMAT_VERSION, len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
+        self._frame_bytes += len(frame)
+        return frame
 
     def add_layer(self, layer: LayerState) -> list[bytes]:
         encoded = [codecs.encode(name, arr, self.header.codec, layer.role(name)) for name, arr in
@@ -150,6 +162,7 @@ class BlobWriter:
         meta = _pack({"total_bytes": self._total, "chunk_count": self._index,
                       "payload_xxh64": self._hash.intdigest(), "first_token": first_token})
         frames.append(_sealed(_TRAILER.pack(b"T", len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta)))
+        self._frame_bytes += len(frames[-1])
         return frames
 
     def _cut(self, final: bool) -> list[bytes]:
@@ -159,6 +172,7 @@ class BlobWriter:
             data = bytes(view[off:off + size])
             off += len(data)
             frames.append(chunk_frame_head(self._index, data) + data)
+            self._frame_bytes += len(frames[-1])
             self._hash.update(data)
             self._index += 1
             self._total += len(data)
@@ -248,6 +262,17 @@ class BlobReader:
         before = len(self.layers)
         self._payload.feed(data)
         return self.layers[before:]
+
+    def resume_header(self, frame: bytes | bytearray | memoryview) -> None:
+        """A resumed read re-sends the header frame: check that it describes the blob already being read (it is
+        not fed again). Before any header was read it is simply fed. ``KVCorrupt``/``KVBadFormat`` if damaged,
+        ``KVIncompatible`` if it is another blob's header."""
+        if self.header is None:
+            self.feed(parse_header(frame)[1])
+            return
+        header, _ = parse_header(frame)
+        if header != self.header:
+            raise KVIncompatible(f"resumed read of {self.header.kv_id} got the header of {header.kv_id}")
 
     def state(self) -> KVState:
         """The whole verified state; ``KVTruncated`` if the trailer has not arrived."""
@@ -402,3 +427,78 @@ class _PayloadParser:
         self.reader.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
         del self._buf[:self._need]
         self._meta, self._need = None, 0
+
+
+# Frame-level parsing for transports that delimit frames on the wire (``prfaas.transfer``) and for stores that keep
+# blobs as the frames they travel in (``prfaas.store``). Every function checks the frame's own checksums.
+
+HEADER_HEAD_SIZE = _HEADER.size + _HEAD_SUM.size
+TRAILER_HEAD_SIZE = _TRAILER.size + _HEAD_SUM.size
+META_SUM_SIZE = _U64.size
+
+
+def parse_chunk_head(head: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+    """``(index, length, xxh64)`` from the first ``CHUNK_HEAD_SIZE`` bytes of a chunk frame.
+    ``KVCorrupt`` if the head fails its checksum or is not a chunk head; ``KVTruncated`` if it is short."""
+    parsed = _unsealed(memoryview(head), _CHUNK, "chunk")
+    if parsed is None:
+        raise KVTruncated("chunk frame head is incomplete")
+    tag, index, length, checksum = parsed
+    if tag != b"C":
+        raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
+    if length > MAX_CHUNK:
+        raise KVBadFormat(f"chunk {index} claims {length} bytes, over the {MAX_CHUNK}-byte limit")
+    return int(index), int(length), int(checksum)
+
+
+def meta_length(head: bytes | bytearray | memoryview) -> int:
+    """The msgpack length announced by a header (``HEADER_HEAD_SIZE`` bytes) or trailer (``TRAILER_HEAD_SIZE``)
+    frame head; the whole frame is ``head + length + META_SUM_SIZE`` bytes. Checked against ``MAX_META``."""
+    view = memoryview(head)
+    if bytes(view[:1]) == b"T":
+        parsed = _unsealed(view, _TRAILER, "trailer")
+        n = None if parsed is None else parsed[1]
+    else:
+        if bytes(view[:len(MAGIC)]) != MAGIC:
+            raise KVBadFormat("not a prfaas KV blob (wrong magic)")
+        parsed = _unsealed(view, _HEADER, "header")
+        if parsed is not None and parsed[1] not in SUPPORTED_VERSIONS:
+            raise KVBadFormat(f"unknown KV format version {parsed[1]}")
+        n = None if parsed is None else parsed[2]
+    if n is None:
+        raise KVTruncated("frame head is incomplete")
+    if n > MAX_META:
+        raise KVBadFormat(f"frame metadata of {n} bytes is over the {MAX_META}-byte limit")
+    return int(n)
+
+
+def parse_header(frame: bytes | bytearray | memoryview) -> tuple[BlobHeader, bytes]:
+    """The header of one whole header frame, and the frame as bytes. Errors as ``BlobReader.feed``; a frame with
+    bytes missing is ``KVTruncated``, one with extra bytes ``KVBadFormat``."""
+    data = bytes(frame)
+    reader = BlobReader()
+    used = reader._header_frame(memoryview(data))
+    if reader.header is None or used == 0:
+        raise KVTruncated("header frame is incomplete")
+    if used != len(data):
+        raise KVBadFormat("bytes after the header frame")
+    return reader.header, data
+
+
+def parse_trailer(frame: bytes | bytearray | memoryview) -> BlobTrailer:
+    """The trailer of one whole trailer frame, its checksums verified (not yet compared with any payload)."""
+    view = memoryview(bytes(frame))
+    head = _unsealed(view, _TRAILER, "trailer")
+    if head is None or head[0] != b"T":
+        raise KVBadFormat("not a trailer frame")
+    start = TRAILER_HEAD_SIZE
+    if head[1] > MAX_META or len(view) != start + head[1] + _U64.size:
+        raise KVBadFormat("trailer frame length does not match its head")
+    meta = _verified_meta(view[start:], head[1], "trailer")
+    assert meta is not None
+    data = _unpack(meta)
+    try:
+        return BlobTrailer(int(data["total_bytes"]), int(data["chunk_count"]), int(data["payload_xxh64"]),
+                           None if data["first_token"] is None else int(data["first_token"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise KVBadFormat(f"bad blob trailer: {exc!r}") from exc
