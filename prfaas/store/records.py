@@ -1,0 +1,63 @@
+"""What a store reports: one ``DeletionRecord`` per blob that ends, and ``StoreStats`` for health and leak checks.
+
+Both are frozen dataclasses of plain fields, so they travel unchanged as data-plane messages
+(``prfaas.transfer.protocol``) and serialise to JSON for audit logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prfaas.errors import KVExpired, KVNotFound, KVTruncated, KVUnavailable, PrfaasError
+
+# Blob states while it lives, and the reasons it can end.
+WRITING, READY = "writing", "ready"
+RELEASED, EXPIRED, EVICTED, ABORTED, SHUTDOWN = "released", "expired", "evicted", "aborted", "shutdown"
+REASONS = (RELEASED, EXPIRED, EVICTED, ABORTED, SHUTDOWN)
+
+
+@dataclass(frozen=True)
+class DeletionRecord:
+    """The end of one blob: why, how big, the whole-payload xxHash64 (``None`` if it never finished), and when
+    it was created and deleted (unix milliseconds)."""
+
+    kv_id: str
+    reason: str
+    bytes: int
+    chunks: int
+    payload_xxh64: int | None
+    created_ms: int
+    deleted_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot: live blobs and bytes (frames as stored), the budget, live blobs by state, blobs being read
+    right now, and how many blobs have ended since the store started."""
+
+    blobs: int
+    bytes: int
+    budget_bytes: int
+    writing: int
+    ready: int
+    readers: int
+    deleted: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gone_error(kv_id: str, reason: str | None) -> PrfaasError:
+    """The error a reader gets for a blob that has ended (``reason``) or that this store never knew (``None``)."""
+    if reason == EXPIRED:
+        return KVExpired(f"KV blob {kv_id} expired (TTL passed)")
+    if reason == ABORTED:
+        return KVTruncated(f"KV blob {kv_id} was aborted by its writer")
+    if reason == SHUTDOWN:
+        return KVUnavailable(f"KV store shut down; blob {kv_id} is gone")
+    what = {RELEASED: "was released", EVICTED: "was evicted"}.get(reason or "", "is unknown to this store")
+    return KVNotFound(f"KV blob {kv_id} {what}")
