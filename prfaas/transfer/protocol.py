@@ -1,0 +1,187 @@
+"""The KV data-plane wire protocol (TCP, optionally TLS 1.3). One request per exchange; a connection may carry
+several exchanges in turn.
+
+Every unit on the wire is a *frame* whose first byte says what it is::
+
+    "M" u32 n u32 xxh32(body)  body          a control message: msgpack [PROTOCOL_VERSION, tag, {field: value}]
+    "P" ...                                   a blob header frame   } exactly as ``prfaas.kv.format`` writes
+    "C" u32 index u32 length u64 xxh64 u32 h  a blob chunk frame    } them: the blob travels in its own frames,
+    "T" ...                                   a blob trailer frame  } never re-framed or concatenated
+
+Exchanges (client → server, then server → client)::
+
+    Put(kv_id, wait_ms)            P C* T          →  Ok | Error       push a blob into the server's store
+    Get(kv_id, from_chunk, wait_ms)                →  Ok P C* T | Error  read a blob (resume: from_chunk > 0)
+    Release(kv_id)                                 →  DeletionRecord | Error
+    Stat()                                         →  StoreStats | Error
+
+``Error(code, message)`` carries a code of ``prfaas.errors`` and is rebuilt with ``error_from_code``; it may
+also arrive in the middle of a Get's frames (the blob expired, was aborted, or its writer stalled), after which
+the server closes the connection. A resumed Get re-sends the header frame (the reader checks it is the same
+blob) and then the chunks from ``from_chunk``. ``wait_ms`` is how long the server waits for the next chunk that
+is still being written (Get) or for the next frame from the pusher (Put) before answering ``KV_TIMEOUT``.
+
+Every length read from the wire is bounded before anything is allocated: control messages by ``MAX_MESSAGE``,
+header/trailer metadata by the blob format's ``MAX_META``, chunks by the blob's own chunk size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import msgpack
+import xxhash
+
+from prfaas.errors import KVBadFormat, KVCorrupt, PrfaasError, error_from_code
+from prfaas.kv.format import (
+    CHUNK_HEAD_SIZE,
+    HEADER_HEAD_SIZE,
+    MAX_CHUNK,
+    META_SUM_SIZE,
+    TRAILER_HEAD_SIZE,
+    meta_length,
+    parse_chunk_head,
+)
+from prfaas.store.records import DeletionRecord, StoreStats
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE = 64 << 10
+_MSG_HEAD = struct.Struct(">cII")
+
+
+@dataclass(frozen=True)
+class Put:
+    kv_id: str
+    wait_ms: int
+
+
+@dataclass(frozen=True)
+class Get:
+    kv_id: str
+    from_chunk: int
+    wait_ms: int
+
+
+@dataclass(frozen=True)
+class Release:
+    kv_id: str
+
+
+@dataclass(frozen=True)
+class Stat:
+    pass
+
+
+@dataclass(frozen=True)
+class Ok:
+    pass
+
+
+@dataclass(frozen=True)
+class Error:
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: PrfaasError) -> Error:
+        return cls(exc.code, exc.message[:4096])
+
+    def exception(self) -> PrfaasError:
+        return error_from_code(self.code, self.message)
+
+
+Message = Put | Get | Release | Stat | Ok | Error | DeletionRecord | StoreStats
+_TAGS: dict[str, type[Any]] = {
+    "put": Put, "get": Get, "release": Release, "stat": Stat, "ok": Ok, "error": Error,
+    "released": DeletionRecord, "stats": StoreStats,
+}
+_TAG_OF = {cls: tag for tag, cls in _TAGS.items()}
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "int | None": (int, type(None))}
+
+
+def encode(message: Message) -> bytes:
+    """One control frame (``"M"`` head + msgpack body) for ``message``."""
+    body = msgpack.packb([PROTOCOL_VERSION, _TAG_OF[type(message)], asdict(message)], use_bin_type=True)
+    return _MSG_HEAD.pack(b"M", len(body), xxhash.xxh32_intdigest(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """The message in a control frame's body, every field type-checked. ``KVBadFormat`` if it is not one."""
+    try:
+        version, tag, values = msgpack.unpackb(body, raw=False)
+    except Exception as exc:
+        raise KVBadFormat(f"undecodable control message: {exc}") from exc
+    cls = _TAGS.get(tag) if isinstance(tag, str) else None
+    if version != PROTOCOL_VERSION or cls is None or not isinstance(values, dict):
+        raise KVBadFormat(f"unknown control message (version {version!r}, tag {str(tag)[:40]!r})")
+    spec = {f.name: _FIELD_TYPES[str(f.type)] for f in fields(cls)}
+    if set(values) != set(spec) or not all(isinstance(values[k], t) for k, t in spec.items()):
+        raise KVBadFormat(f"control message {tag!r} has wrong fields: {sorted(values)[:10]}")
+    message: Message = cls(**values)
+    return message
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame read off the wire. For a chunk, ``head`` is its ``CHUNK_HEAD_SIZE`` bytes and ``data`` the
+    payload (its xxHash64 not yet checked: the consumer checks it before use); for a header or trailer,
+    ``head + data`` is the whole frame; for a control frame, ``message`` is set."""
+
+    tag: bytes
+    head: bytes = b""
+    data: bytes = b""
+    index: int = 0
+    checksum: int = 0
+    message: Message | None = None
+
+    @property
+    def whole(self) -> bytes:
+        return self.head + self.data
+
+
+async def read_frame(stream: asyncio.StreamReader, max_chunk: int = MAX_CHUNK) -> Frame:
+    """Read exactly one frame. ``KVCorrupt`` for a damaged head or an unknown tag, ``KVBadFormat`` for a length
+    over its limit, ``asyncio.IncompleteReadError`` if the peer closes mid-frame."""
+    tag = await stream.readexactly(1)
+    if tag == b"C":
+        head = tag + await stream.readexactly(CHUNK_HEAD_SIZE - 1)
+        index, length, checksum = parse_chunk_head(head)
+        if length > max_chunk:
+            raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size {max_chunk}")
+        return Frame(tag, head, await stream.readexactly(length), index, checksum)
+    if tag in (b"P", b"T"):
+        head = tag + await stream.readexactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1)
+        return Frame(tag, head, await stream.readexactly(meta_length(head) + META_SUM_SIZE))
+    if tag == b"M":
+        return Frame(tag, message=await _read_message_body(stream))
+    raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
+
+
+async def _read_message_body(stream: asyncio.StreamReader) -> Message:
+    _, n, checksum = _MSG_HEAD.unpack(b"M" + await stream.readexactly(_MSG_HEAD.size - 1))
+    if n > MAX_MESSAGE:
+        raise KVBadFormat(f"control message of {n} bytes is over the {MAX_MESSAGE}-byte limit")
+    body = await stream.readexactly(n)
+    if xxhash.xxh32_intdigest(body) != checksum:
+        raise KVCorrupt("control message failed its xxHash32 check")
+    return decode(body)
+
+
+async def read_message(stream: asyncio.StreamReader) -> Message:
+    """Read one control frame; anything else is ``KVBadFormat``. An ``Error`` is returned, not raised."""
+    frame = await read_frame(stream)
+    if frame.message is None:
+        raise KVBadFormat(f"expected a control message, got a {frame.tag!r} frame")
+    return frame.message
+
+
+def expect(message: Message, cls: type[Any]) -> Any:
+    """``message`` if it is a ``cls``; the peer's error raised if it is an ``Error``; else ``KVBadFormat``."""
+    if isinstance(message, Error):
+        raise message.exception()
+    if not isinstance(message, cls):
+        raise KVBadFormat(f"expected {cls.__name__}, got {type(message).__name__}")
+    return message
