@@ -37,10 +37,13 @@ def demo(
 from prfaas.plan.cli import app as plan_app  # noqa: E402
 from prfaas.plan.cli import measure as measure_cmd  # noqa: E402
 from prfaas.probe.cli import app as probe_app  # noqa: E402
+from prfaas.services.cli import serve_app, up  # noqa: E402
 
 app.add_typer(plan_app, name="plan")
 app.add_typer(probe_app, name="probe")
 app.command("measure")(measure_cmd)
+app.add_typer(serve_app, name="serve")
+app.command("up")(up)
 
 
 def main() -> None:

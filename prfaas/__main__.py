@@ -1,0 +1,3 @@
+from prfaas.cli import main
+
+main()

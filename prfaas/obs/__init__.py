@@ -1,0 +1,1 @@
+"""Observability: metrics (one module defines every name) and structured logs."""

@@ -1,0 +1,1 @@
+"""The serving roles, one process each: router (OpenAI API), prefill, decode, relay; and ``prfaas up``."""

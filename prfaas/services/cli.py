@@ -1,0 +1,70 @@
+"""``prfaas serve router|prefill|decode|relay`` (one role, for real hosts) and ``prfaas up`` (all, here)."""
+
+from __future__ import annotations
+
+import typer
+
+from prfaas.config import Config, load_config
+
+serve_app = typer.Typer(help="Run one role of a deployment.", no_args_is_help=True)
+
+CONFIG = typer.Option(None, "--config", help="YAML config (default: $PRFAAS_CONFIG)")
+THRESHOLD = typer.Option(None, "--offload-threshold", help="prompts longer than this go to remote prefill")
+ROUTER = typer.Option(..., "--router", help="the router's URL, e.g. http://10.0.0.1:8000")
+HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
+MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
+
+
+def _config(path: str | None, threshold: int | None, datacenter: str | None = None) -> Config:
+    return load_config(path, offload_threshold_tokens=threshold, datacenter=datacenter)
+
+
+@serve_app.command()
+def router(host: str = HOST, port: int = typer.Option(8000, "--port"),
+           mode: str = typer.Option("relay", "--mode", help="relay | direct"),
+           config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD) -> None:
+    """The OpenAI-compatible router (datacenter B)."""
+    from prfaas.services.router import run_router
+
+    run_router(_config(config, offload_threshold), host, port, mode)
+
+
+def _instance(role: str, router_url: str, instance_id: str, datacenter: str, model: str, dtype: str, host: str,
+              port: int, kv_port: int, config: str | None, offload_threshold: int | None) -> None:
+    from prfaas.services.instance import InstanceOptions
+    from prfaas.services.roles import run_role
+
+    options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
+                              router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype)
+    run_role(options, _config(config, offload_threshold, datacenter or None))
+
+
+def _role_command(role: str, default_dc: str, help_text: str) -> None:
+    def command(router_url: str = ROUTER, instance_id: str = typer.Option("", "--instance-id"),
+                datacenter: str = typer.Option(default_dc, "--datacenter"), model: str = MODEL,
+                dtype: str = typer.Option("float32", "--dtype"), host: str = HOST,
+                port: int = typer.Option(0, "--port", help="HTTP control port (0: any free port)"),
+                kv_port: int = typer.Option(0, "--kv-port", help="KV data port (0: any free port)"),
+                config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD) -> None:
+        _instance(role, router_url, instance_id, datacenter, model, dtype, host, port, kv_port, config,
+                  offload_threshold)
+
+    command.__doc__ = help_text
+    serve_app.command(name=role)(command)
+
+
+_role_command("prefill", "dc-a", "A prefill instance (datacenter A): prompt → KV blob + first token.")
+_role_command("decode", "dc-b", "A decode instance (datacenter B): pulls KV, restores it, streams tokens.")
+_role_command("relay", "dc-b", "A relay (datacenter B): holds KV blobs between prefill and decode.")
+
+
+def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="relay | direct"),
+       port: int = typer.Option(8000, "--port"), prefill: int = typer.Option(1, "--prefill"),
+       decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
+       config: str | None = CONFIG, dtype: str = typer.Option("float32", "--dtype")) -> None:
+    """Run a whole deployment on this machine (each role its own process on 127.0.0.1) until SIGINT/SIGTERM."""
+    from prfaas.services.up import UpOptions, run_up
+
+    load_config(config)  # fail fast on a bad file, before any process starts
+    run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
+                     offload_threshold=offload_threshold, config=config, dtype=dtype))

@@ -1,0 +1,124 @@
+"""One prefill, decode or relay process: its HTTP control app, its data plane, heartbeats, and a clean shutdown.
+
+Lifecycle: bind sockets → load the engine (prefill, decode) → start the transfer server (when the role holds a
+store) → serve HTTP and heartbeat the router → on SIGTERM/SIGINT: deregister, let uvicorn drain open requests,
+close the transfer server, close the store (every blob left gets a ``shutdown`` deletion record).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+
+from prfaas.config import Config
+from prfaas.messages import InstanceInfo
+from prfaas.obs import metrics
+from prfaas.services import http
+from prfaas.services.heartbeat import Heartbeat
+from prfaas.store import BlobStore, DeletionRecord
+from prfaas.transfer import TransferServer
+
+log = logging.getLogger("prfaas.instance")
+SWEEP_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class InstanceOptions:
+    role: str
+    instance_id: str
+    router_url: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_port: int = 0
+    model: str = ""
+    dtype: str = "float32"
+
+
+class Instance:
+    """Holds what every role shares; the role adds its routes to ``app`` and reports ``load()``."""
+
+    def __init__(self, options: InstanceOptions, config: Config, with_store: bool) -> None:
+        self.options = options
+        self.config = config
+        self.http_sock = http.bind(options.host, options.port)
+        self.url = "http://{}:{}".format(*self.http_sock.getsockname()[:2])
+        self.kv_sock = http.bind(options.host, options.kv_port) if with_store else None
+        self.kv_address = "{}:{}".format(*self.kv_sock.getsockname()[:2]) if self.kv_sock else ""
+        self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._on_delete) \
+            if with_store else None
+        self.fingerprint: dict[str, Any] = {}
+        self.model, self.max_seq_len = options.model, 0
+        self.load: Callable[[], dict[str, int]] = lambda: {}
+        self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
+        http.install_error_handlers(self.app)
+        self._routes()
+
+
+
+    def info(self) -> InstanceInfo:
+        load = self.load()
+        return InstanceInfo(instance_id=self.options.instance_id, role=self.options.role, url=self.url,
+                            kv_address=self.kv_address, datacenter=self.config.datacenter,
+                            fingerprint=self.fingerprint, model=self.model, max_seq_len=self.max_seq_len,
+                            queue_depth=load.get("queue_depth", 0), free_kv_bytes=load.get("free_kv_bytes", 0))
+
+    async def run(self) -> None:
+        await http.serve(self.app, self.http_sock)
+
+    def _routes(self) -> None:
+        @self.app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", **self.info().to_json()}
+
+        @self.app.get("/stats")
+        async def stats() -> dict[str, Any]:
+            if self.store is None:
+                return {"store": None, "records": []}
+            return {"store": self.store.stats().to_dict(), "records": [r.to_dict() for r in self.store.records]}
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        server = await self._start_transfer()
+        sweeper = asyncio.create_task(self._sweep()) if self.store else None
+        beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3)
+        beat.start()
+        log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
+                 self.kv_address or "-")
+        try:
+            yield
+        finally:
+            await beat.stop(deregister=True)
+            if sweeper:
+                sweeper.cancel()
+                await asyncio.gather(sweeper, return_exceptions=True)
+            if server:
+                await server.close()
+            if self.store:
+                left = self.store.close()
+                log.info("store closed: %d blobs ended at shutdown", len(left))
+
+    async def _start_transfer(self) -> TransferServer | None:
+        if self.store is None or self.kv_sock is None:
+            return None
+        host, port = self.kv_sock.getsockname()[:2]
+        self.kv_sock.close()  # the transfer server binds the same port itself
+        server = TransferServer(self.store, host=host, port=port)
+        await server.start()
+        return server
+
+    async def _sweep(self) -> None:
+        assert self.store is not None
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            self.store.sweep()
+
+    @staticmethod
+    def _on_delete(record: DeletionRecord) -> None:
+        metrics.KV_BLOBS.labels(reason=record.reason).inc()
+

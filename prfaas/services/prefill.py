@@ -1,0 +1,86 @@
+"""The prefill role (datacenter A): turns token ids into a KV blob and the first token, never decodes further.
+
+Chunks leave while the forward pass is still running: a hook after each decoder layer snapshots that layer,
+encodes it and hands the finished chunk frames to the sink (own store, or a push to the relay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from prfaas.config import Config
+from prfaas.errors import PrfaasError
+from prfaas.kv import BlobHeader, BlobWriter, LayerState, check_kv_id
+from prfaas.messages import PrefillRequest, SamplingParams
+from prfaas.obs import metrics
+from prfaas.services.runner import EngineRunner
+from prfaas.services.sinks import FrameSink, PushSink, StoreSink
+from prfaas.store import BlobStore
+
+
+class PrefillService:
+    """Owns a blob from ``accepted`` until its trailer is written; then the store owns it."""
+
+    def __init__(self, engine: Any, config: Config, store: BlobStore | None) -> None:
+        self.engine = engine
+        self.config = config
+        self.store = store
+        self.runner = EngineRunner()
+        self._inflight = asyncio.Semaphore(config.max_inflight_kv)
+
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[dict[str, Any]]:
+        """NDJSON events: ``accepted`` once the blob exists, then ``done`` (first token, sizes) or ``error``."""
+        arrived = time.perf_counter()
+        try:
+            async with self._inflight:
+                async for event in self._prefill(request, arrived):
+                    yield event
+        except PrfaasError as exc:
+            yield {"event": "error", **exc.to_wire()}
+
+    async def _prefill(self, request: PrefillRequest, arrived: float) -> AsyncIterator[dict[str, Any]]:
+        sampling = SamplingParams.from_json(request.sampling)
+        writer = BlobWriter(self._header(request))
+        sink = self._sink(request, writer.header_frame())
+        yield {"event": "accepted"}
+        loop = asyncio.get_running_loop()
+
+        def on_layer(layer: LayerState) -> None:
+            frames = writer.add_layer(layer)
+            loop.call_soon_threadsafe(sink.put, frames)
+
+        def run() -> tuple[int, float]:
+            _, token, seconds = self.engine.prefill_cache(request.token_ids, on_layer, sampling)
+            return token, seconds
+
+        started = time.perf_counter()
+        try:
+            first_token, seconds = await self.runner.run(run)
+            await sink.finish(writer.finish(first_token))
+        except BaseException:
+            await sink.abort("aborted")
+            raise
+        metrics.PREFILL_SECONDS.observe(seconds)
+        yield {"event": "done", "first_token": first_token, "kv_bytes": writer.bytes_written,
+               "chunks": writer.chunks_written, "prefill_ms": seconds * 1e3,
+               "queue_ms": (started - arrived) * 1e3}
+
+    def _header(self, request: PrefillRequest) -> BlobHeader:
+        return BlobHeader(kv_id=check_kv_id(request.kv_id), fingerprint=self.engine.fingerprint,
+                          codec=self.config.kv_codec, seq_len=len(request.token_ids), cache=self.engine.cache_class,
+                          chunk_size=self.config.chunk_bytes, layers=self.engine.layer_table,
+                          created_ms=int(time.time() * 1000))
+
+    def _sink(self, request: PrefillRequest, header: bytes) -> FrameSink:
+        if request.push_to:
+            timeout = self.config.kv_transfer_timeout_ms / 1e3 + 30.0
+            return PushSink(request.push_to, request.kv_id, header, timeout, tls=None)
+        assert self.store is not None, "direct mode needs the prefill's own store"
+        return StoreSink(self.store, request.kv_id, header)
+
+    def load(self) -> dict[str, int]:
+        free = self.store.stats().budget_bytes - self.store.stats().bytes if self.store else 0
+        return {"queue_depth": self.runner.queue_depth, "free_kv_bytes": free}

@@ -1,0 +1,72 @@
+"""Wiring of each instance role: which service, which routes. ``prfaas serve prefill|decode|relay`` calls
+``run_role``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from prfaas.config import Config
+from prfaas.messages import GenerateRequest, PrefillRequest
+from prfaas.services import http
+from prfaas.services.instance import Instance, InstanceOptions
+
+
+def run_role(options: InstanceOptions, config: Config) -> None:
+    http.setup_logging(options.instance_id)
+    instance = build(options, config)
+    asyncio.run(instance.run())
+
+
+def build(options: InstanceOptions, config: Config) -> Instance:
+    if options.role == "relay":
+        instance = Instance(options, config, with_store=True)
+        assert instance.store is not None
+        store = instance.store
+        instance.load = lambda: {"queue_depth": store.stats().blobs,
+                                 "free_kv_bytes": store.budget_bytes - store.stats().bytes}
+        return instance
+    from prfaas.engine import load_engine
+
+    engine = load_engine(options.model, dtype=options.dtype)
+    _ = engine.layer_table  # computed once, before the first request needs it
+    if options.role == "prefill":
+        instance = Instance(options, config, with_store=True)
+        _prefill_routes(instance, engine)
+    elif options.role == "decode":
+        instance = Instance(options, config, with_store=False)
+        _decode_routes(instance, engine)
+    else:
+        raise ValueError(f"unknown role {options.role!r}")
+    instance.fingerprint = engine.fingerprint.to_wire()
+    instance.model, instance.max_seq_len = engine.name, engine.max_seq_len
+    return instance
+
+
+def _prefill_routes(instance: Instance, engine: Any) -> None:
+    from prfaas.services.prefill import PrefillService
+
+    service = PrefillService(engine, instance.config, instance.store)
+    instance.load = service.load
+
+    @instance.app.post("/prefill")
+    async def prefill(request: Request) -> StreamingResponse:
+        return http.ndjson(service.prefill(PrefillRequest.from_json(await request.json())))
+
+
+def _decode_routes(instance: Instance, engine: Any) -> None:
+    from prfaas.services.decode import DecodeService
+
+    service = DecodeService(engine, instance.config)
+    instance.load = service.load
+
+    @instance.app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        return {"token_ids": service.tokenize(await request.json())}
+
+    @instance.app.post("/generate")
+    async def generate(request: Request) -> StreamingResponse:
+        return http.ndjson(service.generate(GenerateRequest.from_json(await request.json())))

@@ -1,0 +1,205 @@
+"""The router: the only public endpoint. OpenAI API in, routing decisions, tokens streamed back.
+
+Instances register and heartbeat on ``/internal/*``; ``/health`` is 200 only when every role of the deployment
+has a healthy instance; ``/admin/kv`` gathers the stores' contents and deletion records (for operators and the
+leak checks of the tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from prfaas.config import Config
+from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasError
+from prfaas.messages import InstanceInfo, SamplingParams
+from prfaas.obs import metrics
+from prfaas.services import http, openai_api
+from prfaas.services.dispatch import Dispatcher, Job, new_seed
+from prfaas.services.registry import Registry
+
+log = logging.getLogger("prfaas.router")
+
+
+class Router:
+    def __init__(self, config: Config, mode: str = "relay") -> None:
+        if mode not in ("relay", "direct"):
+            raise InvalidRequest("mode must be relay or direct")
+        self.config = config
+        self.mode = mode
+        self.registry = Registry(config.heartbeat_timeout_ms / 1e3)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+        self.dispatcher = Dispatcher(self.registry, config, mode, self.client)
+
+    def required_roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
+
+    def ready(self) -> bool:
+        return all(self.registry.healthy(role) for role in self.required_roles())
+
+    @property
+    def model_name(self) -> str:
+        return self.registry.fingerprint.model if self.registry.fingerprint else ""
+
+    async def complete(self, body: Any, chat: bool) -> Any:
+        req = openai_api.parse(body, chat)
+        if req.model and self.model_name and req.model != self.model_name:
+            raise InvalidRequest(f"model {req.model!r} is not served here; this deployment serves "
+                                 f"{self.model_name!r}")
+        decode = self.registry.pick("decode", queue_limit=self.config.decode_queue_limit)
+        if decode is None:
+            raise KVUnavailable("no healthy decode instance with room in its queue")
+        job = await self._job(req, decode)
+        rid = openai_api.new_id(chat)
+        events = self.dispatcher.run(job, decode)
+        if req.stream:
+            first = await anext(events)  # errors before the first token still get a proper HTTP status
+            return StreamingResponse(self._sse(req, rid, job, first, events), media_type="text/event-stream")
+        return await self._collect(req, rid, job, events)
+
+    async def _job(self, req: openai_api.CompletionRequest, decode: InstanceInfo) -> Job:
+        reply = await self.client.post(f"{decode.url}/tokenize", json=req.tokenize_body())
+        if reply.status_code != 200:
+            raise InvalidRequest(reply.json().get("error", {}).get("message", "cannot tokenize the prompt"))
+        ids = reply.json()["token_ids"]
+        room = decode.max_seq_len - len(ids)
+        if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
+            raise InvalidRequest(f"this model's maximum context length is {decode.max_seq_len} tokens; the "
+                                 f"request has {len(ids)} prompt tokens and asks for {req.max_tokens or 1} more")
+        max_tokens = req.max_tokens or min(openai_api.DEFAULT_MAX_TOKENS, room)
+        sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed if req.seed is not None else new_seed())
+        return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop)
+
+    async def _collect(self, req: openai_api.CompletionRequest, rid: str, job: Job,
+                       events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+        parts, done = [], {}
+        async for event in events:
+            parts.append(event.get("text", ""))
+            if event["event"] == "done":
+                done = event
+        self._observe(job, "ok")
+        return openai_api.response(req, rid, self.model_name, "".join(parts), done["finish_reason"],
+                                   self._usage(job, done), job.extension)
+
+    async def _sse(self, req: openai_api.CompletionRequest, rid: str, job: Job, first: dict[str, Any],
+                   events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+        status = "error"
+        try:
+            event, is_first = first, True
+            while True:
+                if event["event"] == "done":
+                    if event.get("text"):
+                        yield _sse(openai_api.chunk(req, rid, self.model_name, event["text"], None))
+                    last = openai_api.chunk(req, rid, self.model_name, None, event["finish_reason"])
+                    if req.include_usage:
+                        yield _sse(last)
+                        last = {**last, "choices": [], "usage": self._usage(job, event)}
+                    yield _sse({**last, "prfaas": job.extension})
+                    status = "ok"
+                    break
+                if event.get("text") or is_first:
+                    yield _sse(openai_api.chunk(req, rid, self.model_name, event.get("text"), None, first=is_first))
+                    is_first = False
+                event = await anext(events)
+        except PrfaasError as exc:
+            yield _sse(http.error_body(exc.http_status, exc.message, exc.code))
+        finally:
+            self._observe(job, status)
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _usage(job: Job, done: dict[str, Any]) -> dict[str, int]:
+        n = int(done.get("completion_tokens", 0))
+        return {"prompt_tokens": len(job.token_ids), "completion_tokens": n, "total_tokens": len(job.token_ids) + n}
+
+    @staticmethod
+    def _observe(job: Job, status: str) -> None:
+        route = job.extension.get("route", "local")
+        metrics.REQUESTS.labels(route=route, status=status).inc()
+        if job.first_token_at is not None:
+            metrics.TTFT.labels(route=route).observe(job.first_token_at - job.arrived)
+        metrics.E2E.labels(route=route).observe(time.perf_counter() - job.arrived)
+
+    async def stores(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for info, _ in self.registry.all():
+            if info.role in ("prefill", "relay"):
+                with contextlib.suppress(httpx.HTTPError):
+                    out[info.instance_id] = (await self.client.get(f"{info.url}/stats")).json()
+        return out
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def create_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await router.client.aclose()
+
+    app = FastAPI(title="prfaas router", lifespan=lifespan)
+    http.install_error_handlers(app)
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return JSONResponse(http.error_body(400, f"the body is not valid JSON: {exc}", None), status_code=400)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        return await router.complete(await request.json(), chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: Request) -> Any:
+        return await router.complete(await request.json(), chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": router.model_name, "object": "model", "created": 0, "owned_by": "prfaas"}]
+        return {"object": "list", "data": data if router.model_name else []}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        roles = {role: len(router.registry.healthy(role)) for role in router.required_roles()}
+        return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
+                            status_code=200 if router.ready() else 503)
+
+    @app.post("/internal/heartbeat")
+    async def heartbeat(request: Request) -> JSONResponse:
+        try:
+            router.registry.upsert(InstanceInfo.from_json(await request.json()))
+        except KVIncompatible as exc:
+            return JSONResponse(http.error_body(409, exc.message, exc.code), status_code=409)
+        return JSONResponse({"ok": True})
+
+    @app.post("/internal/deregister")
+    async def deregister(request: Request) -> dict[str, Any]:
+        router.registry.remove(str((await request.json()).get("instance_id", "")))
+        return {"ok": True}
+
+    @app.get("/admin/instances")
+    async def instances() -> list[dict[str, Any]]:
+        return [{**info.to_json(), "healthy": ok} for info, ok in router.registry.all()]
+
+    @app.get("/admin/kv")
+    async def kv() -> dict[str, Any]:
+        return await router.stores()
+
+    return app
+
+
+def run_router(config: Config, host: str, port: int, mode: str) -> None:
+    http.setup_logging("router")
+    router = Router(config, mode)
+    asyncio.run(http.serve(create_app(router), http.bind(host, port)))

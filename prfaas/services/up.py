@@ -1,0 +1,126 @@
+"""``prfaas up``: a whole deployment on this machine, every role its own process on 127.0.0.1.
+
+Start order: router, relay, prefill, decode. The router URL is printed once ``/health`` is 200. SIGINT/SIGTERM
+stop the children in reverse order (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM from
+the kernel if this process dies, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from prfaas.errors import InvalidRequest
+
+_PR_SET_PDEATHSIG = 1
+STOP_GRACE_S = 15.0
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    model: str = "smollm2-135m"
+    mode: str = "relay"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    offload_threshold: int | None = None
+    config: str | None = None
+    dtype: str = "float32"
+    startup_timeout_s: float = 600.0
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Deployment:
+    def __init__(self, options: UpOptions) -> None:
+        if options.mode not in ("relay", "direct"):
+            raise InvalidRequest("--mode must be relay or direct")
+        if options.prefill < 1 or options.decode < 1:
+            raise InvalidRequest("--prefill and --decode must be at least 1")
+        self.options = options
+        self.children: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}"
+
+    def start(self) -> None:
+        o = self.options
+        self._spawn(["router", "--host", o.host, "--port", str(o.port), "--mode", o.mode])
+        if o.mode == "relay":
+            self._spawn(["relay", "--instance-id", "relay-0", "--datacenter", "dc-b"])
+        for i in range(o.prefill):
+            self._spawn(["prefill", "--instance-id", f"prefill-{i}", "--datacenter", "dc-a", *self._model()])
+        for i in range(o.decode):
+            self._spawn(["decode", "--instance-id", f"decode-{i}", "--datacenter", "dc-b", *self._model()])
+
+    def _model(self) -> list[str]:
+        return ["--model", self.options.model, "--dtype", self.options.dtype]
+
+    def _spawn(self, args: list[str]) -> None:
+        o = self.options
+        common = ["--router", self.url] if args[0] != "router" else []
+        if o.config:
+            common += ["--config", o.config]
+        if o.offload_threshold is not None:
+            common += ["--offload-threshold", str(o.offload_threshold)]
+        cmd = [sys.executable, "-m", "prfaas", "serve", *args, *common]
+        self.children.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            dead = [c for c in self.children if c.poll() is not None]
+            if dead:
+                role = " ".join(str(a) for a in list(dead[0].args)[3:6])  # type: ignore[arg-type]
+                raise RuntimeError(f"a role exited during start-up: {role} (exit {dead[0].returncode})")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.25)
+        raise RuntimeError(f"the deployment was not healthy within {self.options.startup_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        for child in reversed(self.children):
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=STOP_GRACE_S)
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        self.children.clear()
+
+
+def run_up(options: UpOptions) -> None:
+    deployment = Deployment(options)
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        deployment.start()
+        deployment.wait_ready()
+        print(f"prfaas is up: {deployment.url}/v1 (mode {options.mode}, model {options.model}, "
+              f"{options.prefill} prefill, {options.decode} decode)", flush=True)
+        while not stop["now"] and all(c.poll() is None for c in deployment.children):
+            time.sleep(0.2)
+    finally:
+        deployment.stop()
+        print("prfaas stopped: every process has exited", flush=True)
+    os._exit(0) if stop["now"] else sys.exit(1)

@@ -1,0 +1,73 @@
+"""Start ``prfaas up`` as a real subprocess for end-to-end tests, and check that it leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process whose parent chain leads to ``pid`` (read from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent]
+        found += children
+        frontier += children
+    return found
+
+
+@contextmanager
+def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...] = ()) -> Iterator[tuple]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "prfaas", "up", "--model", model, "--mode", mode, "--port", str(port),
+           "--offload-threshold", str(threshold), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    children: list[int] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            if "prfaas is up" in line or time.monotonic() > deadline:
+                break
+        assert httpx.get(f"{url}/health").status_code == 200, "deployment did not come up"
+        children = descendants(proc.pid)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        time.sleep(0.2)
+        left = [p for p in children if os.path.exists(f"/proc/{p}") and _alive(p)]
+        assert not left, f"processes left behind: {left}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
