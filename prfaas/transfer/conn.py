@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from prfaas.errors import InvalidRequest, KVTimeout, KVTruncated, KVUnauthorized, KVUnavailable, PrfaasError
 
-STREAM_LIMIT = 8 << 20  # asyncio's read buffer: above one chunk, so a 1 MiB chunk arrives without pausing reads
+STREAM_LIMIT = 2 << 20  # asyncio's read buffer: above one chunk, so a 1 MiB chunk arrives without pausing reads
 SOCKET_BUFFER = 4 << 20
 
 
