@@ -77,7 +77,7 @@ async def _pull_once(address: str, kv_id: str, reader: BlobReader, timeout_s: fl
 
 async def _read_blob(stream: asyncio.StreamReader, kv_id: str, reader: BlobReader, timeout_s: float,
                      on_layers: LayersCallback | None) -> None:
-    first = await _next_frame(stream, timeout_s, None)
+    first = await _next_frame(stream, timeout_s, 0)  # the header; a chunk here may not carry a payload
     if first.tag != b"P":
         raise KVBadFormat(f"blob {kv_id} did not start with its header frame")
     reader.resume_header(first.whole)
@@ -90,9 +90,9 @@ async def _read_blob(stream: asyncio.StreamReader, kv_id: str, reader: BlobReade
             on_layers(layers)
 
 
-async def _next_frame(stream: asyncio.StreamReader, timeout_s: float, max_chunk: int | None) -> p.Frame:
+async def _next_frame(stream: asyncio.StreamReader, timeout_s: float, max_chunk: int) -> p.Frame:
     async with asyncio.timeout(timeout_s):
-        return await (p.read_frame(stream) if max_chunk is None else p.read_frame(stream, max_chunk))
+        return await p.read_frame(stream, max_chunk)
 
 
 def _feed(reader: BlobReader, frame: p.Frame) -> list[LayerState]:

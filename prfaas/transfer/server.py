@@ -1,7 +1,8 @@
 """``TransferServer``: serves one ``BlobStore`` on the data plane (relay mode: the relay's store; direct mode: the
 store inside a prefill process).
 
-Lifecycle: ``start`` binds and accepts; each connection is a task that handles exchanges in turn until the peer
+Lifecycle: ``start`` binds and accepts (beyond ``max_connections`` at once, a new connection is answered
+``KV_UNAVAILABLE``); each connection is a task that handles exchanges in turn until the peer
 closes, an error is answered, or it idles past ``idle_s``; ``close`` stops accepting, cancels every connection
 task and closes its socket. The server never owns blobs: a Put that fails half-way aborts its blob in the store
 (record ``aborted``), so nothing is left behind.
@@ -14,7 +15,7 @@ import contextlib
 import logging
 import ssl as ssl_module
 
-from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, PrfaasError
+from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import protocol as p
@@ -29,9 +30,10 @@ class TransferServer:
     """Data-plane server for ``store`` on ``host:port`` (port 0: any free port), TLS when ``ssl`` is given."""
 
     def __init__(self, store: BlobStore, host: str = "127.0.0.1", port: int = 0,
-                 ssl: ssl_module.SSLContext | None = None, idle_s: float = 30.0, send_timeout_s: float = 30.0) -> None:
+                 ssl: ssl_module.SSLContext | None = None, idle_s: float = 30.0, send_timeout_s: float = 30.0,
+                 max_connections: int = 256) -> None:
         self.store, self.host, self.port, self.ssl = store, host, port, ssl
-        self.idle_s, self.send_timeout_s = idle_s, send_timeout_s
+        self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
         self.connections = 0  # accepted since start (tests count retries with it)
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -63,6 +65,8 @@ class TransferServer:
         tune(writer)
         try:
             try:
+                if len(self._tasks) > self.max_connections:
+                    raise KVUnavailable(f"data-plane server busy ({self.max_connections} connections)")
                 await self._serve(reader, writer)
             except PrfaasError as exc:
                 await self._answer_error(reader, writer, exc)
@@ -109,7 +113,7 @@ class TransferServer:
     async def _put(self, request: p.Put, reader: asyncio.StreamReader) -> None:
         wait_s = _wait_s(request.wait_ms)
         async with asyncio.timeout(wait_s):
-            first = await p.read_frame(reader)
+            first = await p.read_frame(reader, max_chunk=0)
         if first.tag != b"P":
             raise KVBadFormat("a Put must start with the blob's header frame")
         header, frame = parse_header(first.whole)

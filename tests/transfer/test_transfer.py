@@ -168,3 +168,47 @@ def test_closing_the_server_ends_waiting_readers() -> None:
         assert_clean(relay.store)
 
     run(scenario)
+
+
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\n\r\n", b"M\xff\xff\xff\xff\x00\x00\x00\x00",
+                                     p.encode(p.Put("x", 100)) + b"C" + bytes(40), p.encode(p.Ok())])
+def test_garbage_gets_an_error_code_and_the_connection_is_closed(garbage: bytes) -> None:
+    async def scenario() -> None:
+        async with Served() as relay:
+            host, port = relay.address.split(":")
+            stream, writer = await asyncio.open_connection(host, int(port))
+            writer.write(garbage)
+            await writer.drain()
+            async with asyncio.timeout(2.0):
+                reply = await p.read_message(stream)
+                assert isinstance(reply, p.Error) and reply.code in ("KV_CORRUPT", "KV_BAD_FORMAT", "INVALID_REQUEST")
+                assert await stream.read() == b""  # the server hung up
+            writer.close()
+            await writer.wait_closed()
+            assert_clean(relay.store)
+
+    run(scenario)
+
+
+def test_a_busy_server_answers_unavailable() -> None:
+    kv_id, frames = blob_frames(make_state())
+
+    async def scenario() -> None:
+        store = BlobStore(64 * MiB, 120)
+        server = TransferServer(store, max_connections=1)
+        address = f"127.0.0.1:{await server.start()}"
+        store.create(kv_id, frames[0])
+        waiting = asyncio.create_task(pull(address, kv_id, BlobReader(), timeout_s=2.0))
+        while store.stats().readers == 0:
+            await asyncio.sleep(0.005)
+        with pytest.raises(KVUnavailable, match="busy"):
+            await stat(address)
+        for frame in frames[1:-1]:
+            store.append(kv_id, frame)
+        store.finish(kv_id, frames[-1])
+        await waiting
+        store.release(kv_id)
+        await server.close()
+        assert_clean(store)
+
+    run(scenario)
