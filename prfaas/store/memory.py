@@ -12,13 +12,11 @@ reading are evicted.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 
 import xxhash
 
@@ -32,15 +30,14 @@ from prfaas.errors import (
     KVUnavailable,
 )
 from prfaas.kv.format import CHUNK_HEAD_SIZE, parse_chunk_head, parse_header, parse_trailer
+from prfaas.store.blob import Blob
 from prfaas.store.records import (
     ABORTED,
     EVICTED,
     EXPIRED,
-    READY,
     REASONS,
     RELEASED,
     SHUTDOWN,
-    WRITING,
     DeletionRecord,
     StoreStats,
     gone_error,
@@ -49,27 +46,6 @@ from prfaas.store.records import (
 log = logging.getLogger(__name__)
 GONE_MEMORY = 65536  # ended kv_ids remembered, so a late reader learns why (KV_EXPIRED vs KV_NOT_FOUND)
 MAX_RECORDS = 100_000  # kept in ``records``; the durable copy is whatever ``on_delete`` writes
-
-
-@dataclass(eq=False)
-class _Blob:
-    kv_id: str
-    header: bytes
-    chunk_size: int
-    created: float  # store clock
-    created_ms: int  # wall clock
-    chunks: list[bytes] = field(default_factory=list)
-    trailer: bytes | None = None
-    payload_xxh64: int | None = None
-    nbytes: int = 0
-    payload: int = 0
-    readers: int = 0
-    ended: str | None = None
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
-
-    @property
-    def state(self) -> str:
-        return self.ended or (READY if self.trailer is not None else WRITING)
 
 
 class BlobStore:
@@ -84,7 +60,7 @@ class BlobStore:
         self.budget_bytes, self.ttl_s = budget_bytes, ttl_s
         self.on_delete, self._clock, self._wall = on_delete, clock, wall
         self.records: list[DeletionRecord] = []
-        self._live: OrderedDict[str, _Blob] = OrderedDict()  # least recently used first
+        self._live: OrderedDict[str, Blob] = OrderedDict()  # least recently used first
         self._gone: OrderedDict[str, str] = OrderedDict()
         self._bytes = self._deleted = 0
         self._closed = False
@@ -109,7 +85,7 @@ class BlobStore:
                 raise InvalidRequest(f"kv_id {kv_id} already exists in this store")
             self._gone.pop(kv_id, None)
             self._make_room(len(frame))
-            blob = _Blob(kv_id, frame, header.chunk_size, self._clock(), int(self._wall() * 1000))
+            blob = Blob(kv_id, frame, header.chunk_size, self._clock(), int(self._wall() * 1000))
             self._live[kv_id] = blob
             self._grow(blob, len(frame))
 
@@ -202,7 +178,7 @@ class BlobStore:
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _lookup(self, kv_id: str) -> _Blob:
+    def _lookup(self, kv_id: str) -> Blob:
         blob = self._live.get(kv_id)
         if blob is not None and self._expired(blob):
             self._end(blob, EXPIRED)
@@ -211,13 +187,13 @@ class BlobStore:
             raise gone_error(kv_id, self._gone.get(kv_id))
         return blob
 
-    def _writing(self, kv_id: str) -> _Blob:
+    def _writing(self, kv_id: str) -> Blob:
         blob = self._lookup(kv_id)
         if blob.trailer is not None:
             raise InvalidRequest(f"KV blob {kv_id} is already finished")
         return blob
 
-    def _expired(self, blob: _Blob) -> bool:
+    def _expired(self, blob: Blob) -> bool:
         return self._clock() - blob.created >= self.ttl_s
 
     def _make_room(self, need: int) -> None:
@@ -230,12 +206,12 @@ class BlobStore:
         if self._bytes + need > self.budget_bytes:
             raise KVStoreFull(f"KV store over budget: {self._bytes} + {need} > {self.budget_bytes} bytes")
 
-    def _grow(self, blob: _Blob, n: int) -> None:
+    def _grow(self, blob: Blob, n: int) -> None:
         blob.nbytes += n
         self._bytes += n
-        self._wake(blob)
+        blob.wake()
 
-    def _end(self, blob: _Blob, reason: str) -> DeletionRecord:
+    def _end(self, blob: Blob, reason: str) -> DeletionRecord:
         del self._live[blob.kv_id]
         self._gone[blob.kv_id] = reason
         while len(self._gone) > GONE_MEMORY:
@@ -246,7 +222,7 @@ class BlobStore:
         record = DeletionRecord(blob.kv_id, reason, blob.nbytes, len(blob.chunks), blob.payload_xxh64,
                                 blob.created_ms, int(self._wall() * 1000))
         blob.chunks, blob.trailer = [], None  # readers still holding the blob must not keep its memory alive
-        self._wake(blob)
+        blob.wake()
         self.records.append(record)
         if len(self.records) > MAX_RECORDS:
             del self.records[:MAX_RECORDS // 2]
@@ -257,7 +233,7 @@ class BlobStore:
                 log.exception("on_delete callback failed for %s", blob.kv_id)
         return record
 
-    def _open(self, kv_id: str, from_chunk: int) -> _Blob:
+    def _open(self, kv_id: str, from_chunk: int) -> Blob:
         with self._lock:
             blob = self._lookup(kv_id)
             if from_chunk < 0 or (blob.trailer is not None and from_chunk > len(blob.chunks)):
@@ -266,13 +242,13 @@ class BlobStore:
             self._live.move_to_end(kv_id)
             return blob
 
-    def _close_reader(self, blob: _Blob) -> None:
+    def _close_reader(self, blob: Blob) -> None:
         with self._lock:
             blob.readers -= 1
             if blob.kv_id in self._live and blob.ended is None:
                 self._live.move_to_end(blob.kv_id)
 
-    def _next(self, blob: _Blob, index: int) -> tuple[bytes, bool] | asyncio.Future[None]:
+    def _next(self, blob: Blob, index: int) -> tuple[bytes, bool] | asyncio.Future[None]:
         """``(frame, is_trailer)`` for chunk ``index`` (or the trailer after the last chunk), or a future that is
         set when the blob changes."""
         with self._lock:
@@ -289,7 +265,7 @@ class BlobStore:
             blob.waiters.append((loop, future))
             return future
 
-    async def _wait(self, blob: _Blob, future: asyncio.Future[None], timeout_s: float) -> None:
+    async def _wait(self, blob: Blob, future: asyncio.Future[None], timeout_s: float) -> None:
         try:
             await asyncio.wait_for(future, timeout_s)
         except TimeoutError as exc:
@@ -297,14 +273,3 @@ class BlobStore:
         finally:
             with self._lock:
                 blob.waiters = [w for w in blob.waiters if w[1] is not future]
-
-    def _wake(self, blob: _Blob) -> None:
-        waiters, blob.waiters = blob.waiters, []
-        for loop, future in waiters:
-            with contextlib.suppress(RuntimeError):  # that reader's loop is closed: nobody is waiting any more
-                loop.call_soon_threadsafe(_resolve, future)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
