@@ -146,7 +146,8 @@ def main() -> None:
     rows = [{"op": op, "payload_bytes": payload, "chunks": len(frames) - 2, "chunk_kb": args.chunk_kb,
              "best_s": min(t), "median_s": statistics.median(t), "best_gbytes_s": payload / min(t) / 1e9,
              "median_gbytes_s": payload / statistics.median(t) / 1e9, "runs_s": t} for op, t in times.items()]
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+    result = {"host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
+              "python": platform.python_version(),
               "tls": False, "streams": 1, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
