@@ -1,6 +1,6 @@
 """KV bytes per codec and length, codec speed, and what lossy codecs do to SmolLM2's tokens.
 
-    .venv/bin/python benchmarks/kv_codecs.py [--out benchmarks/out/kv_codecs.json] [--quick]
+    .venv/bin/python benchmarks/kv_codecs.py [--out benchmarks/results/kv_codecs.json] [--quick]
 
 Writes one JSON file and prints three tables: KV bytes at 512 / 2K / 8K tokens for SmolLM2 and two hybrids,
 encode/decode GB/s (raw KV bytes per second) per codec, and for SmolLM2 the greedy token agreement and mean
@@ -110,7 +110,7 @@ def print_tables(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/out/kv_codecs.json")
+    parser.add_argument("--out", default="benchmarks/results/kv_codecs.json")
     parser.add_argument("--quick", action="store_true", help="shorter lengths and fewer steps")
     args = parser.parse_args()
     lengths = [128, 512] if args.quick else [512, 2048, 8192]

@@ -23,14 +23,22 @@ def _root() -> None:
 @app.command()
 def demo(
     model: str = typer.Option("smollm2-135m", help="built-in name, HF directory or .gguf file"),
-    prompt: str = typer.Option("What is the capital of France? Answer in one sentence.", help="user message"),
-    codec: str = typer.Option("none", help="KV codec: none | bf16 | fp8 | int8 | int4"),
-    max_new_tokens: int = typer.Option(32, help="tokens to decode"),
+    port: int = typer.Option(8000, help="router port"),
+    offload_threshold: int = typer.Option(128, help="prompts longer than this go to remote prefill"),
+    max_tokens: int = typer.Option(40, help="tokens to generate per answer"),
+    handoff: bool = typer.Option(False, "--handoff", help="only the KV hand-off between two processes"),
+    codec: str = typer.Option("none", help="with --handoff: KV codec none | bf16 | fp8 | int8 | int4"),
 ) -> None:
-    """Prefill in this process, ship the KV blob to a second process, decode there, show what happened."""
-    from prfaas.demo import run_demo
+    """A whole deployment on this machine, a local and a remote request in relay and direct mode."""
+    if handoff:
+        from prfaas.demo import run_demo
 
-    run_demo(model=model, prompt=prompt, codec=codec, max_new_tokens=max_new_tokens)
+        run_demo(model=model, prompt="What is the capital of France? Answer in one sentence.", codec=codec,
+                 max_new_tokens=max_tokens)
+        return
+    from prfaas.services.demo import run_full_demo
+
+    run_full_demo(model=model, port=port, threshold=offload_threshold, max_tokens=max_tokens)
 
 
 # Sub-apps of other packages are added here, e.g. app.add_typer(plan_app, name="plan").

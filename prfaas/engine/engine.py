@@ -145,7 +145,7 @@ class Engine:
         ids = [int(t) for t in token_ids]
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        if len(ids) >= self.max_seq_len:
+        if len(ids) > self.max_seq_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; this model's context is {self.max_seq_len}")
         vocab = int(self.config.vocab_size)
         if min(ids) < 0 or max(ids) >= vocab:

@@ -36,6 +36,7 @@ class UpOptions:
     config: str | None = None
     dtype: str = "float32"
     startup_timeout_s: float = 600.0
+    log_file: str | None = None  # children's output goes here instead of this terminal
 
 
 def _die_with_parent() -> None:
@@ -77,7 +78,10 @@ class Deployment:
         if o.offload_threshold is not None:
             common += ["--offload-threshold", str(o.offload_threshold)]
         cmd = [sys.executable, "-m", "prfaas", "serve", *args, *common]
-        self.children.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent))
+        out = open(o.log_file, "ab") if o.log_file else None  # noqa: SIM115 (closed by the child's exit)
+        self.children.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out, stderr=out))
+        if out:
+            out.close()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s

@@ -75,7 +75,7 @@ def test_bad_prompts_are_clear_errors(engines) -> None:
     with pytest.raises(InvalidRequest, match="empty"):
         engine.prefill([])
     with pytest.raises(InvalidRequest, match="context is 8192"):
-        engine.prefill([5] * 8192)
+        engine.prefill([5] * 8193)
     with pytest.raises(InvalidRequest, match=r"token ids must be in \[0, 49152\)"):
         engine.prefill([49152])
 

@@ -68,7 +68,7 @@ def chat(client: openai.OpenAI, model: str, content: str, stream: bool) -> tuple
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize(("content", "route"), [(SHORT, "local"), (LONG, "remote")], ids=["local", "remote"])
 def test_tokens_equal_monolithic(served: tuple, content: str, route: str, stream: bool) -> None:
-    url, engine, client, kv_ids = served
+    _, engine, client, kv_ids = served
     expected, prompt_tokens = reference(engine, content)
     text, extension, usage = chat(client, engine.name, content, stream)
     assert extension["route"] == route, extension
@@ -81,7 +81,7 @@ def test_tokens_equal_monolithic(served: tuple, content: str, route: str, stream
 
 
 def test_eight_concurrent_requests(served: tuple) -> None:
-    url, engine, client, kv_ids = served
+    _, engine, client, kv_ids = served
     prompts = [LONG if i % 2 else SHORT for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: chat(client, engine.name, p, stream=False), prompts))
@@ -92,7 +92,7 @@ def test_eight_concurrent_requests(served: tuple) -> None:
 
 
 def test_completions_endpoint_and_models(served: tuple) -> None:
-    url, engine, client, _ = served
+    _, engine, client, _ = served
     assert [m.id for m in client.models.list().data] == [engine.name]
     out = client.completions.create(model=engine.name, prompt="The capital of France is", max_tokens=5,
                                     temperature=0)
