@@ -12,7 +12,8 @@
     ├── KVTooLarge                   KV_TOO_LARGE     413   no
     ├── KVStoreFull                  KV_STORE_FULL    503   yes (after back-off)
     ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
-    └── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
+    ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
+    └── LabUnavailable               LAB_UNAVAILABLE  500   no   (no root, namespaces or tools for prfaas lab)
 
 Third-party errors are mapped at the boundary (``raise KVCorrupt(...) from exc``); callers that must decide per
 item receive errors as data (``error_from_code``).
@@ -103,6 +104,12 @@ class KVUnavailable(PrfaasError):
 class InvalidRequest(PrfaasError):
     code = "INVALID_REQUEST"
     http_status = 400
+
+
+class LabUnavailable(PrfaasError):
+    """``prfaas lab`` cannot run here: not root, no network namespaces, or a missing tool (ip, tc, iptables)."""
+
+    code = "LAB_UNAVAILABLE"
 
 
 _BY_CODE: dict[str, type[PrfaasError]] = {
