@@ -1,6 +1,9 @@
-"""KV blob stores: TTL + LRU under a byte budget, release by the consumer, one deletion record per blob."""
+"""KV blob stores: TTL + LRU under a byte budget, release by the consumer, one deletion record per blob, one access
+record per create/finish/read/release/abort. Backends: memory (default) and Redis (``open_store``)."""
 
-from prfaas.store.memory import BlobStore
+from prfaas.store.access import accessing
+from prfaas.store.backend import FrameBackend, MemoryBackend
+from prfaas.store.core import BlobStore
 from prfaas.store.records import (
     ABORTED,
     EVICTED,
@@ -9,11 +12,13 @@ from prfaas.store.records import (
     RELEASED,
     SHUTDOWN,
     WRITING,
+    AccessRecord,
     DeletionRecord,
+    LiveBlob,
     StoreStats,
 )
 
 __all__ = [
-    "ABORTED", "EVICTED", "EXPIRED", "READY", "RELEASED", "SHUTDOWN", "WRITING", "BlobStore", "DeletionRecord",
-    "StoreStats",
+    "ABORTED", "EVICTED", "EXPIRED", "READY", "RELEASED", "SHUTDOWN", "WRITING", "AccessRecord", "BlobStore",
+    "DeletionRecord", "FrameBackend", "LiveBlob", "MemoryBackend", "StoreStats", "accessing",
 ]

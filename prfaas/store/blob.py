@@ -1,4 +1,5 @@
-"""One blob as a store holds it: its frames, sizes, readers, and the readers waiting for its next frame."""
+"""One blob as a store tracks it: sizes, state, readers, and the readers waiting for its next frame. The frames
+themselves live in the store's ``FrameBackend``."""
 
 from __future__ import annotations
 
@@ -6,18 +7,18 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
-from prfaas.store.records import READY, WRITING
+from prfaas.store.backend import BlobMeta
+from prfaas.store.records import READY, WRITING, LiveBlob
 
 
 @dataclass(eq=False)
 class Blob:
     kv_id: str
-    header: bytes
     chunk_size: int
     created: float  # store clock
     created_ms: int  # wall clock
-    chunks: list[bytes] = field(default_factory=list)
-    trailer: bytes | None = None
+    chunks: int = 0
+    ready: bool = False
     payload_xxh64: int | None = None
     nbytes: int = 0
     payload: int = 0
@@ -25,9 +26,21 @@ class Blob:
     ended: str | None = None
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
+    @classmethod
+    def adopt(cls, meta: BlobMeta, created: float) -> Blob:
+        return cls(meta.kv_id, meta.chunk_size, created, meta.created_ms, meta.chunks, meta.ready,
+                   meta.payload_xxh64, meta.nbytes, meta.payload)
+
     @property
     def state(self) -> str:
-        return self.ended or (READY if self.trailer is not None else WRITING)
+        return self.ended or (READY if self.ready else WRITING)
+
+    def meta(self) -> BlobMeta:
+        return BlobMeta(self.kv_id, self.chunk_size, self.created_ms, self.chunks, self.payload, self.nbytes,
+                        self.payload_xxh64, self.ready)
+
+    def live(self, now: float) -> LiveBlob:
+        return LiveBlob(self.kv_id, self.state, self.nbytes, self.chunks, self.readers, round(now - self.created, 3))
 
     def wake(self) -> None:
         """Tell every reader waiting on this blob that it changed (from any thread; the caller holds the lock)."""

@@ -1,7 +1,9 @@
-"""What a store reports: one ``DeletionRecord`` per blob that ends, and ``StoreStats`` for health and leak checks.
+"""What a store reports: one ``DeletionRecord`` per blob that ends, one ``AccessRecord`` per create, read, release
+or abort, and ``StoreStats`` / ``LiveBlob`` for health and leak checks.
 
-Both are frozen dataclasses of plain fields, so they travel unchanged as data-plane messages
-(``prfaas.transfer.protocol``) and serialise to JSON for audit logs.
+All are frozen dataclasses of plain fields, so they travel unchanged as data-plane messages
+(``prfaas.transfer.protocol``) and serialise to JSON for the audit log (``prfaas.audit``). None of them ever
+holds prompt text: a blob is known by its ``kv_id``, its sizes and its checksum.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from prfaas.errors import KVExpired, KVNotFound, KVTruncated, KVUnavailable, Prf
 WRITING, READY = "writing", "ready"
 RELEASED, EXPIRED, EVICTED, ABORTED, SHUTDOWN = "released", "expired", "evicted", "aborted", "shutdown"
 REASONS = (RELEASED, EXPIRED, EVICTED, ABORTED, SHUTDOWN)
+# What an access record can say was done.
+CREATE, FINISH, READ, RELEASE, ABORT = "create", "finish", "read", "release", "abort"
+OK = "ok"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,24 @@ class DeletionRecord:
 
 
 @dataclass(frozen=True)
+class AccessRecord:
+    """One access to one blob: ``who`` (the authenticated peer, or this store's owner for local calls), the
+    ``action``, ``bytes`` involved (written so far, served, or released), ``purpose`` (the request id when the
+    caller gave one), ``outcome`` (``ok`` or the error code returned) and when (unix milliseconds)."""
+
+    action: str
+    kv_id: str
+    who: str
+    purpose: str
+    bytes: int
+    outcome: str
+    at_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class StoreStats:
     """A snapshot: live blobs and bytes (frames as stored), the budget, live blobs by state, blobs being read
     right now, and how many blobs have ended since the store started."""
@@ -46,6 +69,21 @@ class StoreStats:
     ready: int
     readers: int
     deleted: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class LiveBlob:
+    """One live blob as ``/debug/store`` shows it (operators' view; never a metric label)."""
+
+    kv_id: str
+    state: str
+    bytes: int
+    chunks: int
+    readers: int
+    age_s: float
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,3 +1,5 @@
+"""The store suite, run against every backend (``make_store``): states, release, TTL, LRU, budget, records."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,6 +21,7 @@ from prfaas.errors import (
 )
 from prfaas.kv import BlobReader
 from prfaas.store import BlobStore, DeletionRecord
+from tests.store.conftest import StoreFactory
 from tests.transfer.helpers import assert_clean, assert_same, blob_frames, fill, make_state, run
 
 MiB = 1 << 20
@@ -36,8 +39,8 @@ async def read_all(store: BlobStore, kv_id: str, from_chunk: int = 0, timeout_s:
     return [frame async for frame in store.frames(kv_id, from_chunk, timeout_s)]
 
 
-def test_state_machine_and_release() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_state_machine_and_release(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     kv_id, frames = blob_frames(make_state())
     store.create(kv_id, frames[0])
     assert store.stats().writing == 1
@@ -61,8 +64,8 @@ def test_state_machine_and_release() -> None:
     assert_clean(store)
 
 
-def test_resume_from_chunk_yields_header_then_the_rest() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_resume_from_chunk_yields_header_then_the_rest(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     kv_id, frames = blob_frames(make_state())
     fill(store, kv_id, frames)
     assert run(lambda: read_all(store, kv_id, 5)) == [frames[0], *frames[6:]]
@@ -73,8 +76,8 @@ def test_resume_from_chunk_yields_header_then_the_rest() -> None:
     assert_clean(store)
 
 
-def test_bad_writes_are_refused() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_bad_writes_are_refused(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     kv_id, frames = blob_frames(make_state())
     other, other_frames = blob_frames(make_state(seed=1))
     with pytest.raises(KVBadFormat):
@@ -100,9 +103,9 @@ def test_bad_writes_are_refused() -> None:
     assert_clean(store)
 
 
-def test_ttl_expiry_with_an_injected_clock() -> None:
+def test_ttl_expiry_with_an_injected_clock(make_store: StoreFactory) -> None:
     clock = Clock()
-    store = BlobStore(64 * MiB, 120, clock=clock)
+    store = make_store(64 * MiB, 120, clock=clock)
     kv_a, frames_a = blob_frames(make_state())
     kv_b, frames_b = blob_frames(make_state(seed=1))
     fill(store, kv_a, frames_a)
@@ -127,10 +130,10 @@ def test_ttl_expiry_with_an_injected_clock() -> None:
     assert_clean(store)
 
 
-def test_lru_eviction_spares_blobs_being_read() -> None:
+def test_lru_eviction_spares_blobs_being_read(make_store: StoreFactory) -> None:
     states = [blob_frames(make_state(seed=i)) for i in range(4)]
     size = sum(map(len, states[0][1]))
-    store = BlobStore(2 * size + size // 2, 120)
+    store = make_store(2 * size + size // 2, 120)
     fill(store, *states[0])
     fill(store, *states[1])
 
@@ -160,9 +163,9 @@ def test_lru_eviction_spares_blobs_being_read() -> None:
     assert_clean(store)
 
 
-def test_over_budget_writes_get_store_full_not_memory() -> None:
+def test_over_budget_writes_get_store_full_not_memory(make_store: StoreFactory) -> None:
     kv_id, frames = blob_frames(make_state())
-    store = BlobStore(len(frames[0]) + len(frames[1]) + 10, 120)
+    store = make_store(len(frames[0]) + len(frames[1]) + 10, 120)
     store.create(kv_id, frames[0])
     store.append(kv_id, frames[1])
     with pytest.raises(KVStoreFull):
@@ -172,8 +175,8 @@ def test_over_budget_writes_get_store_full_not_memory() -> None:
     assert_clean(store)
 
 
-def test_reader_started_before_the_writer_gets_every_layer() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_reader_started_before_the_writer_gets_every_layer(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     state = make_state()
     kv_id, frames = blob_frames(state)
     store.create(kv_id, frames[0])
@@ -199,8 +202,8 @@ def test_reader_started_before_the_writer_gets_every_layer() -> None:
     assert_clean(store)
 
 
-def test_writer_in_another_thread_wakes_the_reader() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_writer_in_another_thread_wakes_the_reader(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     kv_id, frames = blob_frames(make_state())
     store.create(kv_id, frames[0])
 
@@ -218,8 +221,8 @@ def test_writer_in_another_thread_wakes_the_reader() -> None:
     assert_clean(store)
 
 
-def test_stalled_writer_times_out_and_abort_truncates() -> None:
-    store = BlobStore(64 * MiB, 120)
+def test_stalled_writer_times_out_and_abort_truncates(make_store: StoreFactory) -> None:
+    store = make_store(64 * MiB, 120)
     kv_id, frames = blob_frames(make_state())
     store.create(kv_id, frames[0])
     store.append(kv_id, frames[1])
@@ -242,11 +245,11 @@ def test_stalled_writer_times_out_and_abort_truncates() -> None:
     assert_clean(store)
 
 
-def test_every_blob_ends_in_exactly_one_record() -> None:
+def test_every_blob_ends_in_exactly_one_record(make_store: StoreFactory) -> None:
     clock, seen = Clock(), []
     blobs = [blob_frames(make_state(layers=1, tokens=64, seed=i)) for i in range(6)]
     size = sum(map(len, blobs[0][1]))
-    store = BlobStore(3 * size, 120, on_delete=seen.append, clock=clock)
+    store = make_store(3 * size, 120, on_delete=seen.append, clock=clock)
     for kv_id, frames in blobs[:4]:
         fill(store, kv_id, frames)  # the 4th evicts the 1st
     store.release(blobs[1][0])
