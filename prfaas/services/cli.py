@@ -61,10 +61,13 @@ _role_command("relay", "dc-b", "A relay (datacenter B): holds KV blobs between p
 def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="relay | direct"),
        port: int = typer.Option(8000, "--port"), prefill: int = typer.Option(1, "--prefill"),
        decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
-       config: str | None = CONFIG, dtype: str = typer.Option("float32", "--dtype")) -> None:
+       config: str | None = CONFIG, dtype: str = typer.Option("float32", "--dtype"),
+       lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
+                                "(`prfaas lab up` first)")) -> None:
     """Run a whole deployment on this machine (each role its own process on 127.0.0.1) until SIGINT/SIGTERM."""
     from prfaas.services.up import UpOptions, run_up
 
     load_config(config)  # fail fast on a bad file, before any process starts
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
-                     offload_threshold=offload_threshold, config=config, dtype=dtype))
+                     offload_threshold=offload_threshold, config=config, dtype=dtype,
+                     lab=lab))

@@ -37,6 +37,7 @@ class UpOptions:
     dtype: str = "float32"
     startup_timeout_s: float = 600.0
     log_file: str | None = None  # children's output goes here instead of this terminal
+    lab: bool = False  # place each role in its datacenter of the lab (`prfaas lab up` first)
 
 
 def _die_with_parent() -> None:
@@ -55,10 +56,18 @@ class Deployment:
 
     @property
     def url(self) -> str:
+        if self.options.lab:
+            from prfaas.lab.placement import client_url
+
+            return client_url(self.options.port)
         return f"http://{self.options.host}:{self.options.port}"
 
     def start(self) -> None:
         o = self.options
+        if o.lab:
+            from prfaas.lab.placement import require_lab
+
+            require_lab()
         self._spawn(["router", "--host", o.host, "--port", str(o.port), "--mode", o.mode])
         if o.mode == "relay":
             self._spawn(["relay", "--instance-id", "relay-0", "--datacenter", "dc-b"])
@@ -78,6 +87,10 @@ class Deployment:
         if o.offload_threshold is not None:
             common += ["--offload-threshold", str(o.offload_threshold)]
         cmd = [sys.executable, "-m", "prfaas", "serve", *args, *common]
+        if o.lab:
+            from prfaas.lab.placement import place, router_url
+
+            cmd = place(args[0], [router_url(o.port) if a == self.url else a for a in cmd])
         out = open(o.log_file, "ab") if o.log_file else None  # noqa: SIM115 (closed by the child's exit)
         self.children.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out, stderr=out))
         if out:
