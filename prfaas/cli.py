@@ -42,6 +42,7 @@ def demo(
 
 
 # Sub-apps of other packages are added here, e.g. app.add_typer(plan_app, name="plan").
+from prfaas.audit.cli import app as audit_app  # noqa: E402
 from prfaas.lab.cli import app as lab_app  # noqa: E402
 from prfaas.plan.cli import app as plan_app  # noqa: E402
 from prfaas.plan.cli import measure as measure_cmd  # noqa: E402
@@ -53,6 +54,7 @@ app.add_typer(probe_app, name="probe")
 app.command("measure")(measure_cmd)
 app.add_typer(serve_app, name="serve")
 app.command("up")(up)
+app.add_typer(audit_app, name="audit")
 app.add_typer(lab_app, name="lab")
 
 
