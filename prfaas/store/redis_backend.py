@@ -41,7 +41,7 @@ def mapped(what: str) -> Iterator[None]:
     try:
         yield
     except redis.exceptions.ResponseError as exc:
-        if str(exc).startswith("OOM"):
+        if str(exc).startswith("OOM") or "> 'maxmemory'" in str(exc):  # plain command / inside a script
             raise KVStoreFull(f"Redis is out of memory during {what}: {exc}") from exc
         raise KVUnavailable(f"Redis refused {what}: {exc}") from exc
     except redis.exceptions.RedisError as exc:
