@@ -58,6 +58,10 @@ class Config:
     api_keys: tuple[str, ...] = ()
     tls: TLSConfig = field(default_factory=TLSConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    store_backend: str = "memory"  # where a relay's / prefill's KV blobs live: memory | redis
+    redis_url: str = "redis://127.0.0.1:6379/0"  # store_backend redis; also unix:///path/redis.sock
+    redis_maxmemory_policy: str = "noeviction"  # set on the Redis server at start; "" keeps the server's
+    audit_log: str = ""  # hash-chained access/deletion log of each store; "{instance}" → instance id; "" = none
 
     def __post_init__(self) -> None:
         checks = [
@@ -74,6 +78,7 @@ class Config:
             (1 <= self.transfer_streams <= 16, "transfer_streams must be within 1–16"),
             (self.serialization == "msgpack", "serialization: only msgpack is implemented"),
             (self.checksum == "xxhash64", "checksum: only xxhash64 is implemented"),
+            (self.store_backend in ("memory", "redis"), "store_backend must be memory or redis"),
         ]
         for ok, message in checks:
             if not ok:
