@@ -9,6 +9,9 @@ PACKAGES=(
   iptables   # prfaas lab: random loss (-m statistic), link cut, NFQUEUE delay
   iproute2   # prfaas lab: ip netns, veth, tc (rate)
   redis-server  # prfaas store: the Redis backend's tests start their own redis-server
+  iperf3     # benchmarks/transport.py: the wire's ceiling
+  libibverbs1  # benchmarks/transport.py: Mooncake's transfer engine will not import without it
+  openssl    # prfaas bench transfer --tls, TLS tests: throw-away certificates
 )
 
 missing=()
