@@ -54,6 +54,9 @@ app.add_typer(probe_app, name="probe")
 app.command("measure")(measure_cmd)
 app.add_typer(serve_app, name="serve")
 app.command("up")(up)
+from prfaas.bench.cli import app as bench_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
 app.add_typer(audit_app, name="audit")
 app.add_typer(lab_app, name="lab")
 

@@ -49,6 +49,7 @@ class Config:
     offload_threshold_tokens: int = 256
     fallback_local_prefill: bool = True
     decode_queue_limit: int = 16
+    decode_queue_timeout_ms: int = 10000
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 3000
     store_budget_mb: int = 4096
@@ -75,6 +76,8 @@ class Config:
             (self.heartbeat_timeout_ms > self.heartbeat_interval_ms > 0,
              "heartbeat_timeout_ms must exceed heartbeat_interval_ms > 0"),
             (self.store_budget_mb >= 1, "store_budget_mb must be at least 1"),
+            (self.decode_queue_timeout_ms >= 0, "decode_queue_timeout_ms must be ≥ 0"),
+            (self.rate_limit_qps > 0, "rate_limit_qps must be positive"),
             (1 <= self.transfer_streams <= 16, "transfer_streams must be within 1–16"),
             (self.serialization == "msgpack", "serialization: only msgpack is implemented"),
             (self.checksum == "xxhash64", "checksum: only xxhash64 is implemented"),

@@ -12,6 +12,7 @@
     ├── KVTooLarge                   KV_TOO_LARGE     413   no
     ├── KVStoreFull                  KV_STORE_FULL    503   yes (after back-off)
     ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
+    ├── RateLimited                  RATE_LIMITED     429   yes (after Retry-After)
     ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
     └── LabUnavailable               LAB_UNAVAILABLE  500   no   (no root, namespaces or tools for prfaas lab)
 
@@ -101,6 +102,16 @@ class KVUnavailable(PrfaasError):
     retryable = True
 
 
+class RateLimited(PrfaasError):
+    code = "RATE_LIMITED"
+    http_status = 429
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class InvalidRequest(PrfaasError):
     code = "INVALID_REQUEST"
     http_status = 400
@@ -116,7 +127,7 @@ _BY_CODE: dict[str, type[PrfaasError]] = {
     cls.code: cls
     for cls in (
         KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
-        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, InvalidRequest,
+        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, InvalidRequest,
     )
 }
 

@@ -60,8 +60,15 @@ class InstanceInfo(Message):
     model: str = ""
     max_seq_len: int = 0
     free_kv_bytes: int = 0
+    kv_budget_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    kv_fixed_bytes: int = 0
     queue_depth: int = 0
     ready: bool = True
+
+    def kv_bytes(self, tokens: int) -> int:
+        """Expected KV bytes of a sequence of ``tokens`` on this instance (an upper bound for windowed layers)."""
+        return self.kv_fixed_bytes + self.kv_bytes_per_token * tokens
 
 
 @dataclass(frozen=True)
@@ -89,3 +96,4 @@ class GenerateRequest(Message):
     kv_id: str = ""
     kv_address: str = ""
     deadline_ms: int = 0
+    step_offset: int = 0  # tokens already streamed by an instance that died: sampling continues at this step

@@ -57,6 +57,12 @@ class Engine:
         return self._cache_cls.__name__
 
     @functools.cached_property
+    def kv_footprint(self) -> tuple[int, int]:
+        """(fixed bytes, bytes per token) of one sequence's KV, measured from two tiny prefills."""
+        one, two = (self.prefill([0] * n).kv.nbytes for n in (1, 2))
+        return one - (two - one), two - one
+
+    @functools.cached_property
     def layer_table(self) -> tuple[dict[str, Any], ...]:
         """Kind, growth and window of every layer, known before a prompt runs (a blob header needs it)."""
         return tuple(layer.table_entry() for layer in self.prefill([0]).kv.layers)
@@ -69,7 +75,7 @@ class Engine:
         return PrefillOutput(kv=kv, next_token=next_token, seconds=seconds)
 
     def prefill_cache(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
-                      sampling: SamplingParams | None = None) -> tuple[Any, int, float]:
+                      sampling: SamplingParams | None = None, step: int = 0) -> tuple[Any, int, float]:
         """Like ``prefill`` but keeps the live model cache (for decoding in the same process)."""
         ids = self._check_prompt(token_ids)
         cache = self.new_cache()
@@ -80,7 +86,7 @@ class Engine:
         finally:
             for hook in hooks:
                 hook.remove()
-        return cache, pick_token(logits, sampling, step=0), time.perf_counter() - started
+        return cache, pick_token(logits, sampling, step=step), time.perf_counter() - started
 
     def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16,
                sampling: SamplingParams | None = None) -> list[int]:
@@ -89,11 +95,12 @@ class Engine:
         return list(self.stream(self.restore(kv), next_token, kv.seq_len, max_new_tokens, sampling))
 
     def stream(self, cache: Any, next_token: int, position: int, max_new_tokens: int,
-               sampling: SamplingParams | None = None) -> Iterator[int]:
-        """Yield tokens one by one from a live cache holding ``position`` tokens (``next_token`` not yet fed)."""
+               sampling: SamplingParams | None = None, step: int = 1) -> Iterator[int]:
+        """Yield tokens one by one from a live cache holding ``position`` tokens (``next_token`` not yet fed);
+        ``step`` numbers the first yielded token for seeded sampling."""
         current, produced = int(next_token), 0
         while produced < max_new_tokens and current not in self.eos_token_ids and position < self.max_seq_len:
-            current = pick_token(self._forward([current], cache, start=position), sampling, step=produced + 1)
+            current = pick_token(self._forward([current], cache, start=position), sampling, step=step + produced)
             produced += 1
             position += 1
             yield current

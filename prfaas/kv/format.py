@@ -367,39 +367,57 @@ def _verified_meta(view: memoryview, n: int, what: str) -> memoryview | None:
 
 
 class _PayloadParser:
-    """Turns the verified payload stream back into ``LayerState`` objects as each layer completes."""
+    """Turns the verified payload stream back into ``LayerState`` objects as each layer completes.
+
+    Each layer's bytes are copied exactly once, into a buffer preallocated from its layer record; the tensors are
+    views of that buffer (codec ``none``) or decoded from it. Only the small layer records are staged.
+    """
 
     def __init__(self, reader: BlobReader) -> None:
         self.reader = reader
-        self._buf = bytearray()
+        self._head = bytearray()  # the current layer record (u32 n + msgpack), while incomplete
         self._meta: dict[str, Any] | None = None
         self._layouts: list[list[tuple[np.dtype, tuple[int, ...]]]] = []
-        self._need = 0
+        self._layer: np.ndarray | None = None
+        self._filled = 0
 
     def feed(self, data: bytes | memoryview) -> None:
-        self._buf += data
-        while self._step():
-            pass
+        view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+        off = 0
+        while off < len(view):
+            off += self._take_record(view[off:]) if self._meta is None else self._take_data(view[off:])
+            if self._meta is not None and self._filled == len(self._layer_buffer()):
+                self._end_layer()
 
     def close(self) -> None:
-        if self._buf or self._meta is not None:
+        if self._head or self._meta is not None:
             raise KVTruncated("payload ended inside a layer")
 
-    def _step(self) -> bool:
-        if self._meta is None:
-            if len(self._buf) < _U32.size:
-                return False
-            (n,) = _U32.unpack(self._buf[:_U32.size])
+    def _layer_buffer(self) -> np.ndarray:
+        assert self._layer is not None
+        return self._layer
+
+    def _take_record(self, view: memoryview) -> int:
+        """Stage bytes of the next layer record; start the layer once it is whole. Returns the bytes used."""
+        have = len(self._head)
+        want = _U32.size if have < _U32.size else _U32.size + _U32.unpack_from(self._head)[0]
+        used = min(want - have, len(view))
+        self._head += view[:used]
+        if len(self._head) == _U32.size:
+            (n,) = _U32.unpack_from(self._head)
             if n > MAX_META:
                 raise KVBadFormat(f"layer record of {n} bytes is over the limit")
-            if len(self._buf) < _U32.size + n:
-                return False
-            self._begin_layer(_unpack(bytes(self._buf[_U32.size:_U32.size + n])))
-            del self._buf[:_U32.size + n]
-        if len(self._buf) < self._need:
-            return False
-        self._end_layer()
-        return True
+        if len(self._head) > _U32.size and len(self._head) == want:
+            self._begin_layer(_unpack(bytes(self._head[_U32.size:])))
+            self._head.clear()
+        return used
+
+    def _take_data(self, view: memoryview) -> int:
+        buf = self._layer_buffer()
+        used = min(len(buf) - self._filled, len(view))
+        buf[self._filled:self._filled + used] = np.frombuffer(view[:used], dtype=np.uint8)
+        self._filled += used
+        return used
 
     def _begin_layer(self, meta: Any) -> None:
         if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
@@ -410,23 +428,21 @@ class _PayloadParser:
         need = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for lay in self._layouts for dt, shape in lay)
         if need > self.reader.max_bytes:
             raise KVTooLarge(f"layer of {need} bytes exceeds the {self.reader.max_bytes}-byte limit")
-        self._meta, self._need = meta, need
+        self._meta, self._layer, self._filled = meta, np.empty(need, dtype=np.uint8), 0
 
     def _end_layer(self) -> None:
         assert self._meta is not None
-        meta, off, tensors = self._meta, 0, {}
-        raw = bytes(self._buf[:self._need])
+        meta, raw, off, tensors = self._meta, self._layer_buffer(), 0, {}
         for desc, layout in zip(meta["tensors"], self._layouts, strict=True):
             parts = []
             for dt, shape in layout:
                 n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-                parts.append(np.frombuffer(raw, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape))
+                parts.append(raw[off:off + n].view(dt).reshape(shape))
                 off += n
             tensors[str(desc["name"])] = codecs.decode(desc, parts)
         entry = _check_table_entry(meta)
         self.reader.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
-        del self._buf[:self._need]
-        self._meta, self._need = None, 0
+        self._meta, self._layer, self._filled = None, None, 0
 
 
 # Frame-level parsing for transports that delimit frames on the wire (``prfaas.transfer``) and for stores that keep

@@ -14,6 +14,25 @@ TTFT = Histogram("prfaas_request_ttft_seconds", "Time to first token seen by the
                  ["route"], buckets=_LATENCY, registry=REGISTRY)
 E2E = Histogram("prfaas_request_e2e_seconds", "Whole request latency seen by the router",
                 ["route"], buckets=_LATENCY, registry=REGISTRY)
+ROUTES = Counter("prfaas_router_routes_total", "Route decisions by route and reason code", ["route", "reason"],
+                 registry=REGISTRY)
+ERRORS = Counter("prfaas_router_errors_total", "Requests that failed, by error code", ["code"], registry=REGISTRY)
+RATE_LIMITED = Counter("prfaas_router_rate_limited_total", "Requests refused by the rate limit", registry=REGISTRY)
+ITL = Histogram("prfaas_request_itl_seconds", "Inter-token latency seen by the router",
+                buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=REGISTRY)
+TPOT = Histogram("prfaas_request_tpot_seconds", "Time per output token after the first, per request",
+                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=REGISTRY)
+TRANSFER_EXPOSED = Histogram("prfaas_transfer_exposed_seconds",
+                             "KV transfer time not hidden behind prefill compute (router's view)",
+                             buckets=_LATENCY, registry=REGISTRY)
+LINK_DEGRADED = Gauge("prfaas_router_link_degraded", "1 while the link is degraded and requests stay local",
+                      registry=REGISTRY)
+QUEUE_DEPTH = Gauge("prfaas_instance_queue_depth", "Queue depth reported by each instance", ["instance"],
+                    registry=REGISTRY)
+FREE_KV = Gauge("prfaas_instance_free_kv_bytes", "Free KV memory reported by each instance", ["instance"],
+                registry=REGISTRY)
+REFUSED = Counter("prfaas_registry_refused_total", "Registrations refused, by reason", ["reason"],
+                  registry=REGISTRY)
 FALLBACKS = Counter("prfaas_router_fallbacks_total", "Remote prefills that fell back to local prefill",
                     ["reason"], registry=REGISTRY)
 INSTANCES = Gauge("prfaas_registry_instances", "Registered instances", ["role", "healthy"], registry=REGISTRY)
@@ -24,7 +43,43 @@ PREFILL_SECONDS = Histogram("prfaas_prefill_seconds", "Prefill forward pass time
                             registry=REGISTRY)
 KV_BLOBS = Counter("prfaas_store_blobs_ended_total", "KV blobs that ended, by reason", ["reason"],
                    registry=REGISTRY)
+STORE_LIVE_BLOBS = Gauge("prfaas_store_live_blobs", "Live KV blobs in this process's store, by state", ["state"],
+                         registry=REGISTRY)
+STORE_LIVE_BYTES = Gauge("prfaas_store_live_bytes", "Bytes of KV frames held by this process's store",
+                         registry=REGISTRY)
+STORE_BUDGET_BYTES = Gauge("prfaas_store_budget_bytes", "Byte budget of this process's store", registry=REGISTRY)
+STORE_READERS = Gauge("prfaas_store_readers", "Reads of this process's store in progress", registry=REGISTRY)
+STORE_ACCESSES = Counter("prfaas_store_accesses_total", "Store accesses by action and outcome (ok or error code)",
+                         ["action", "outcome"], registry=REGISTRY)
+STORE_BLOB_LIFETIME = Histogram("prfaas_store_blob_lifetime_seconds", "KV blob creation to deletion, by reason",
+                                ["reason"], buckets=(*_LATENCY, 120.0, 300.0), registry=REGISTRY)
+STORE_AUDIT_FAILURES = Gauge("prfaas_store_audit_write_failures", "Audit log entries that could not be written",
+                             registry=REGISTRY)
 
 
 def render() -> bytes:
     return generate_latest(REGISTRY)
+
+# The KV data plane (prfaas.transfer); ``op`` is "pull" or "push". Fed by ``prfaas.transfer.stats``.
+TRANSFER_BLOB_SECONDS = Histogram("prfaas_transfer_blob_seconds", "Whole-blob transfer time by operation",
+                                  ["op"], buckets=_LATENCY, registry=REGISTRY)
+TRANSFER_PAYLOAD_BYTES = Counter("prfaas_transfer_payload_bytes_total", "KV payload bytes moved by operation",
+                                 ["op"], registry=REGISTRY)
+TRANSFER_FAILURES = Counter("prfaas_transfer_failures_total", "Transfers that failed, by error code",
+                            ["op", "code"], registry=REGISTRY)
+TRANSFER_RETRIES = Counter("prfaas_transfer_retries_total", "Transfer retries started, by the error that caused "
+                           "them", ["code"], registry=REGISTRY)
+TRANSFER_RETRIES_REFUSED = Counter("prfaas_transfer_retries_refused_total", "Retries refused by the global cap "
+                                   "(retries above 1 % of transfers in a minute)", registry=REGISTRY)
+TRANSFER_GOODPUT = Gauge("prfaas_transfer_goodput_gbps", "Payload goodput over the last minute's transfers",
+                         ["op"], registry=REGISTRY)
+TRANSFER_P50 = Gauge("prfaas_transfer_p50_seconds", "Median whole-blob transfer time over the last minute",
+                     ["op"], registry=REGISTRY)
+TRANSFER_P99 = Gauge("prfaas_transfer_p99_seconds", "P99 whole-blob transfer time over the last minute",
+                     ["op"], registry=REGISTRY)
+TRANSFER_RTT = Gauge("prfaas_transfer_rtt_seconds", "Smoothed TCP RTT of the last data-plane connection "
+                     "(TCP_INFO)", ["op"], registry=REGISTRY)
+TRANSFER_RETRANSMITS = Counter("prfaas_transfer_retransmits_total", "TCP segments retransmitted on data-plane "
+                               "connections (TCP_INFO)", ["op"], registry=REGISTRY)
+TRANSFER_INFLIGHT = Gauge("prfaas_transfer_inflight", "KV blobs in flight in this process (bounded by "
+                          "max_inflight_kv)", registry=REGISTRY)

@@ -30,7 +30,8 @@ class DecodeService:
         self.engine = engine
         self.config = config
         self.runner = EngineRunner()
-        self.active_kv_bytes = 0
+        self.reserved_kv_bytes = 0
+        self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
 
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -49,6 +50,10 @@ class DecodeService:
         return [int(t) for t in ids]
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """Holds a reservation of the sequence's KV bytes (prompt + max_tokens) while it runs, so the free KV
+        memory in heartbeats is what new requests can really get."""
+        need = self.fixed_bytes + self.bytes_per_token * (len(request.token_ids) + request.max_tokens)
+        self.reserved_kv_bytes += need
         try:
             sampling = SamplingParams.from_json(request.sampling)
             stages, cache, first, position = await self._prepare(request, sampling)
@@ -56,13 +61,15 @@ class DecodeService:
                 yield event
         except PrfaasError as exc:
             yield {"event": "error", **exc.to_wire()}
+        finally:
+            self.reserved_kv_bytes -= need
 
     async def _prepare(self, request: GenerateRequest,
                        sampling: SamplingParams) -> tuple[dict[str, float], Any, int, int]:
         if not request.kv_id:
             started = time.perf_counter()
             cache, first, seconds = await self.runner.run(self.engine.prefill_cache, request.token_ids, None,
-                                                          sampling)
+                                                          sampling, request.step_offset)
             queued = time.perf_counter() - started - seconds
             return {"queue_ms": queued * 1e3, "prefill_ms": seconds * 1e3}, cache, first, len(request.token_ids)
         started = time.perf_counter()
@@ -103,7 +110,8 @@ class DecodeService:
 
         def produce() -> None:
             try:
-                for token in self.engine.stream(cache, first, position, request.max_tokens - 1, sampling):
+                for token in self.engine.stream(cache, first, position, request.max_tokens - 1, sampling,
+                                                request.step_offset + 1):
                     loop.call_soon_threadsafe(queue.put_nowait, token)
                     if halt.is_set():
                         break
@@ -130,5 +138,7 @@ class DecodeService:
         yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": tail}
 
     def load(self) -> dict[str, int]:
-        return {"queue_depth": self.runner.queue_depth,
-                "free_kv_bytes": max(0, self.config.store_budget_bytes - self.active_kv_bytes)}
+        budget = self.config.store_budget_bytes
+        return {"queue_depth": self.runner.queue_depth, "free_kv_bytes": max(0, budget - self.reserved_kv_bytes),
+                "kv_budget_bytes": budget, "kv_bytes_per_token": self.bytes_per_token,
+                "kv_fixed_bytes": self.fixed_bytes}

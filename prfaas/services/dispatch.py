@@ -1,15 +1,18 @@
-"""How the router runs one request across instances: remote prefill (prefill → store → decode) or local
-prefill on the decode instance, with fallback to local when the remote path fails before the first token.
+"""How the router runs one request across instances.
 
-``Dispatcher.run`` yields ``token`` events (text deltas) and ends with one ``done`` event that carries the
-finish reason, the usage and the ``prfaas`` response extension of CONTRACTS.md.
+``Dispatcher.run`` admits the request (rate limit), waits for a decode instance with room (queue depth and free
+KV memory, counting what this router already sent it), asks the ``Scheduler`` for the route, and streams events:
+``token`` events (text deltas) and one final ``done`` event. Failures, in order of what can still be saved:
+- remote prefill fails before the first token → prefill locally on the decode instance (``fallback``);
+- the decode instance dies mid-stream → another decode instance re-prefills the prompt plus the tokens already
+  streamed and continues, without repeating a token (within ``kv_retry_budget``);
+- otherwise the error reaches the client with its code.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,7 +26,11 @@ from prfaas.errors import KVUnavailable, PrfaasError, error_from_code
 from prfaas.kv import Fingerprint, new_kv_id
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, SamplingParams
 from prfaas.obs import metrics
+from prfaas.scheduler import Decision, Scheduler
 from prfaas.services.registry import Registry
+
+QUEUE_POLL_S = 0.05
+_DEAD = (httpx.TransportError,)
 
 
 @dataclass
@@ -38,83 +45,142 @@ class Job:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extension: dict[str, Any] = field(default_factory=dict)
     first_token_at: float | None = None
+    last_token_at: float | None = None
+    generated: list[int] = field(default_factory=list)
 
 
 class Dispatcher:
-    def __init__(self, registry: Registry, config: Config, mode: str, client: httpx.AsyncClient) -> None:
+    def __init__(self, registry: Registry, scheduler: Scheduler, config: Config, client: httpx.AsyncClient):
         self.registry = registry
+        self.scheduler = scheduler
         self.config = config
-        self.mode = mode
         self.client = client
+        self._inflight: dict[str, list[int]] = {}  # decode instance → [requests, reserved KV bytes]
 
-    def route(self, job: Job) -> tuple[str, str]:
-        """(route, reason): remote only for prompts over the threshold, with a prefill (and relay) up."""
-        n, threshold = len(job.token_ids), self.config.offload_threshold_tokens
-        if n <= threshold:
-            return "local", f"prompt of {n} tokens is within the offload threshold of {threshold}"
-        if not self.registry.healthy("prefill"):
-            return "local", "no healthy prefill instance"
-        if self.mode == "relay" and not self.registry.healthy("relay"):
-            return "local", "no healthy relay"
-        return "remote", f"prompt of {n} tokens is over the offload threshold of {threshold}"
-
-    async def run(self, job: Job, decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
-        route, reason = self.route(job)
-        job.extension.update(route=route, reason=reason, decode_instance=decode.instance_id, retries=0,
-                             fallback=False)
-        self.registry.bump(decode.instance_id)
-        if route == "remote":
+    async def run(self, job: Job, first_decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
+        decode, retries = first_decode, 0
+        while True:
+            need = decode.kv_bytes(len(job.token_ids) + job.max_tokens)
+            self._reserve(decode.instance_id, need, +1)
             try:
-                async for event in self._remote(job, decode):
+                async for event in self._attempt(job, decode):
+                    yield event
+                self.scheduler.breakers.success(decode.instance_id)
+                return
+            except _DEAD as exc:
+                self.scheduler.breakers.failure(decode.instance_id)
+                if retries >= self.config.kv_retry_budget:
+                    raise KVUnavailable(f"decode instance {decode.instance_id} failed: {exc!r}") from exc
+                retries += 1
+                decode = await self.acquire_decode(job, exclude={decode.instance_id})
+                job.extension.update(retries=job.extension.get("retries", 0) + 1, resumed_on=decode.instance_id)
+            finally:
+                self._reserve(decode.instance_id, -need, -1)
+
+    async def acquire_decode(self, job: Job, exclude: frozenset[str] | set[str] = frozenset()) -> InstanceInfo:
+        """The best decode instance with room; waits up to the queue deadline, then 503 (``degrade_or_queue``)."""
+        tokens = len(job.token_ids) + job.max_tokens
+        deadline = time.monotonic() + self.config.decode_queue_timeout_ms / 1e3
+        while True:
+            instances = [self._view(i) for i in self.registry.healthy("decode") if i.instance_id not in exclude]
+            best = self.scheduler.decode_for(instances, max((i.kv_bytes(tokens) for i in instances), default=0))
+            if best is not None:
+                return best
+            if instances and all(i.kv_bytes(tokens) > i.kv_budget_bytes for i in instances):
+                raise KVUnavailable(f"the request needs {instances[0].kv_bytes(tokens)} KV bytes, more than any "
+                                    f"decode instance holds ({max(i.kv_budget_bytes for i in instances)})")
+            if time.monotonic() >= deadline:
+                raise KVUnavailable("no decode instance had room within the queue deadline; retry later")
+            await asyncio.sleep(QUEUE_POLL_S)
+
+    def _view(self, info: InstanceInfo) -> InstanceInfo:
+        """The heartbeat's figures, corrected by what this router sent since (heartbeats lag)."""
+        count, reserved = self._inflight.get(info.instance_id, [0, 0])
+        free = min(info.free_kv_bytes, info.kv_budget_bytes - reserved) if info.kv_budget_bytes else info.free_kv_bytes
+        return InstanceInfo.from_json({**info.to_json(), "queue_depth": max(info.queue_depth, count),
+                                       "free_kv_bytes": max(0, free)})
+
+    def _reserve(self, instance_id: str, kv_bytes: int, count: int) -> None:
+        entry = self._inflight.setdefault(instance_id, [0, 0])
+        entry[0] += count
+        entry[1] += kv_bytes
+
+    async def _attempt(self, job: Job, decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
+        resumed = bool(job.generated)
+        decision = self.scheduler.route(len(job.token_ids), self.registry.healthy("prefill"),
+                                        self.registry.healthy("relay")) if not resumed else None
+        if decision is not None:
+            job.extension.update(route=decision.route, reason=decision.reason, decode_instance=decode.instance_id,
+                                 retries=job.extension.get("retries", 0), fallback=False)
+            metrics.ROUTES.labels(route=decision.route, reason=decision.reason_code).inc()
+        if decision is not None and decision.route == "remote":
+            try:
+                async for event in self._remote(job, decode, decision):
                     yield event
                 return
             except (PrfaasError, httpx.HTTPError) as exc:
-                if job.first_token_at is not None or not self.config.fallback_local_prefill:
+                if job.first_token_at is not None or (isinstance(exc, _DEAD) and _decode_failed(exc, decode)):
                     raise
-                code = exc.code if isinstance(exc, PrfaasError) else KVUnavailable.code
-                metrics.FALLBACKS.labels(reason=code).inc()
-                job.extension.update(route="local", fallback=True, retries=1,
-                                     reason=f"remote prefill failed ({code}: {exc}); prefilled locally")
-        async for event in self._decode(job, decode, GenerateRequest(
-                request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
-                sampling=job.sampling.to_json(), stop=job.stop)):
+                self._fell_back(job, exc)
+        async for event in self._decode(job, decode, self._local_request(job)):
             yield event
 
-    async def _remote(self, job: Job, decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
-        prefill = self.registry.pick("prefill")
-        relay = self.registry.pick("relay") if self.mode == "relay" else None
-        if prefill is None or (self.mode == "relay" and relay is None):
-            raise KVUnavailable("no healthy prefill instance or relay")
-        self.registry.bump(prefill.instance_id)
+    def _fell_back(self, job: Job, exc: Exception) -> None:
+        if not self.config.fallback_local_prefill:
+            raise exc
+        code = exc.code if isinstance(exc, PrfaasError) else KVUnavailable.code
+        metrics.FALLBACKS.labels(reason=code).inc()
+        job.extension.update(route="local", fallback=True, retries=job.extension.get("retries", 0) + 1,
+                             reason=f"remote prefill failed ({code}: {exc}); prefilled locally")
+
+    def _local_request(self, job: Job) -> GenerateRequest:
+        """Local prefill; after a decode death, of the prompt plus what was already streamed."""
+        return GenerateRequest(request_id=job.request_id, token_ids=job.token_ids + job.generated,
+                               max_tokens=job.max_tokens - len(job.generated), sampling=job.sampling.to_json(),
+                               stop=job.stop, step_offset=len(job.generated))
+
+    async def _remote(self, job: Job, decode: InstanceInfo, decision: Decision) -> AsyncIterator[dict[str, Any]]:
+        prefill, relay = decision.prefill, decision.relay
+        assert prefill is not None
         kv_id = new_kv_id(Fingerprint.from_wire(decode.fingerprint).short_hash())
-        kv_address = relay.kv_address if relay else prefill.kv_address
         job.extension.update(kv_id=kv_id, prefill_instance=prefill.instance_id)
         body = PrefillRequest(request_id=job.request_id, kv_id=kv_id, token_ids=job.token_ids,
                               sampling=job.sampling.to_json(), push_to=relay.kv_address if relay else "")
-        async with self.client.stream("POST", f"{prefill.url}/prefill", json=body.to_json()) as reply:
-            lines = _events(reply)
-            accepted = await anext(lines)
-            if accepted.get("event") != "accepted":
-                raise _error(accepted)
-            prefill_done: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(anext(lines))
-            try:
-                async for event in self._decode(job, decode, GenerateRequest(
-                        request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
-                        sampling=job.sampling.to_json(), stop=job.stop, kv_id=kv_id, kv_address=kv_address)):
-                    if event["event"] == "done":
-                        self._prefill_facts(job, await prefill_done)
-                    yield event
-            finally:
-                prefill_done.cancel()
-                await asyncio.gather(prefill_done, return_exceptions=True)
+        pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
+                               sampling=job.sampling.to_json(), stop=job.stop, kv_id=kv_id,
+                               kv_address=relay.kv_address if relay else prefill.kv_address)
+        try:
+            async with self.client.stream("POST", f"{prefill.url}/prefill", json=body.to_json()) as reply:
+                lines = _events(reply)
+                accepted = await anext(lines)
+                if accepted.get("event") != "accepted":
+                    raise _error(accepted)
+                done: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(anext(lines))
+                try:
+                    async for event in self._decode(job, decode, pull):
+                        if event["event"] == "done":
+                            self._prefill_facts(job, prefill, await done)
+                        yield event
+                finally:
+                    done.cancel()
+                    await asyncio.gather(done, return_exceptions=True)
+        except (PrfaasError, httpx.HTTPError):
+            self.scheduler.link.record(ok=False)
+            if job.first_token_at is None:
+                self.scheduler.breakers.failure(prefill.instance_id)
+            raise
+        self.scheduler.breakers.success(prefill.instance_id)
 
-    @staticmethod
-    def _prefill_facts(job: Job, done: dict[str, Any]) -> None:
+    def _prefill_facts(self, job: Job, prefill: InstanceInfo, done: dict[str, Any]) -> None:
         if done.get("event") != "done":
             return
         job.extension["kv_bytes"] = done["kv_bytes"]
         stages = job.extension.setdefault("stages", {})
         stages.update(queue_ms=round(done["queue_ms"], 2), prefill_ms=round(done["prefill_ms"], 2))
+        self.scheduler.prefill_done(prefill.instance_id, len(job.token_ids), done["prefill_ms"] / 1e3)
+        exposed = stages.get("transfer_ms", 0.0) - done["prefill_ms"] - done["queue_ms"]
+        self.scheduler.link.record(ok=True, exposed_ms=exposed)
+        metrics.TRANSFER_EXPOSED.observe(max(0.0, exposed) / 1e3)
 
     async def _decode(self, job: Job, decode: InstanceInfo, body: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         async with self.client.stream("POST", f"{decode.url}/generate", json=body.to_json()) as reply:
@@ -122,22 +188,29 @@ class Dispatcher:
                 kind = event.get("event")
                 if kind == "error":
                     raise _error(event)
-                if kind == "token" and job.first_token_at is None:
-                    self._first_token(job, event)
+                if kind == "token":
+                    self._token(job, event)
                 yield event
 
     @staticmethod
-    def _first_token(job: Job, event: dict[str, Any]) -> None:
-        job.first_token_at = time.perf_counter()
-        stages = {k: round(v, 2) for k, v in event.get("stages", {}).items()}
-        job.extension.setdefault("stages", {}).update(stages)
-        job.extension["ttft_ms"] = round((job.first_token_at - job.arrived) * 1e3, 2)
-        if "transfer_ms" in stages:
-            job.extension["transfer_ms"] = stages["transfer_ms"]
+    def _token(job: Job, event: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        if job.first_token_at is None:
+            job.first_token_at = now
+            stages = {k: round(v, 2) for k, v in event.get("stages", {}).items()}
+            job.extension.setdefault("stages", {}).update(stages)
+            job.extension["ttft_ms"] = round((now - job.arrived) * 1e3, 2)
+            if "transfer_ms" in stages:
+                job.extension["transfer_ms"] = stages["transfer_ms"]
+        elif job.last_token_at is not None:
+            metrics.ITL.observe(now - job.last_token_at)
+        job.last_token_at = now
+        job.generated.append(int(event["token"]))
 
 
-def new_seed() -> int:
-    return secrets.randbits(31)
+def _decode_failed(exc: Exception, decode: InstanceInfo) -> bool:
+    request = getattr(exc, "request", None)
+    return request is not None and str(request.url).startswith(decode.url)
 
 
 async def _events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:

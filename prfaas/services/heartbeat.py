@@ -17,12 +17,14 @@ class Heartbeat:
     """Sends ``info()`` to ``router_url`` every ``interval_s``; failures are logged and retried, never fatal
     (the router marks us unhealthy if it stops hearing from us, and we re-register when it comes back)."""
 
-    def __init__(self, router_url: str, info: Callable[[], InstanceInfo], interval_s: float) -> None:
+    def __init__(self, router_url: str, info: Callable[[], InstanceInfo], interval_s: float,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.router_url = router_url.rstrip("/")
         self.info = info
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self.refused: str | None = None
+        self.on_refused = on_refused
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -46,7 +48,9 @@ class Heartbeat:
                     reply = await client.post(f"{self.router_url}/internal/heartbeat", json=self.info().to_json())
                     if reply.status_code == 409:
                         self.refused = reply.json().get("error", {}).get("message", "refused")
-                        log.error("router refused this instance: %s", self.refused)
+                        if self.on_refused:
+                            self.on_refused(self.refused)
+                            return
                 except httpx.HTTPError as exc:
                     log.debug("heartbeat to %s failed: %s", self.router_url, exc)
                 await asyncio.sleep(self.interval_s)

@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from prfaas.errors import InvalidRequest, KVStoreFull, PrfaasError
+from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.obs import metrics
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -43,7 +43,8 @@ def error_body(status: int, message: str, code: str | None) -> dict[str, Any]:
 
 
 def error_response(exc: PrfaasError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if isinstance(exc, KVStoreFull) or exc.http_status == 429 else None
+    retry_after = getattr(exc, "retry_after_s", 1)
+    headers = {"Retry-After": str(retry_after)} if exc.retryable and exc.http_status in (429, 503) else None
     code = None if isinstance(exc, InvalidRequest) else exc.code
     return JSONResponse(error_body(exc.http_status, exc.message, code), status_code=exc.http_status,
                         headers=headers)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,11 +64,10 @@ class Instance:
 
 
     def info(self) -> InstanceInfo:
-        load = self.load()
-        return InstanceInfo(instance_id=self.options.instance_id, role=self.options.role, url=self.url,
-                            kv_address=self.kv_address, datacenter=self.config.datacenter,
-                            fingerprint=self.fingerprint, model=self.model, max_seq_len=self.max_seq_len,
-                            queue_depth=load.get("queue_depth", 0), free_kv_bytes=load.get("free_kv_bytes", 0))
+        return InstanceInfo.from_json({
+            "instance_id": self.options.instance_id, "role": self.options.role, "url": self.url,
+            "kv_address": self.kv_address, "datacenter": self.config.datacenter, "fingerprint": self.fingerprint,
+            "model": self.model, "max_seq_len": self.max_seq_len, **self.load()})
 
     async def run(self) -> None:
         await http.serve(self.app, self.http_sock)
@@ -74,7 +75,7 @@ class Instance:
     def _routes(self) -> None:
         @self.app.get("/health")
         async def health() -> dict[str, Any]:
-            return {"status": "ok", **self.info().to_json()}
+            return {"status": "ok", "pid": os.getpid(), **self.info().to_json()}
 
         @self.app.get("/stats")
         async def stats() -> dict[str, Any]:
@@ -86,7 +87,8 @@ class Instance:
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         server = await self._start_transfer()
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
-        beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3)
+        beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3,
+                         on_refused=self._refused)
         beat.start()
         log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
                  self.kv_address or "-")
@@ -117,6 +119,12 @@ class Instance:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             self.store.sweep()
+
+    @staticmethod
+    def _refused(reason: str) -> None:
+        """The router will not pair us (another model): say why and stop, rather than idle unregistered."""
+        log.error("the router refused this instance and it stops: %s", reason)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     @staticmethod
     def _on_delete(record: DeletionRecord) -> None:

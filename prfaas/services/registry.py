@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from prfaas.messages import InstanceInfo
 from prfaas.obs import metrics
 
 ROLES = ("prefill", "decode", "relay")
+log = logging.getLogger("prfaas.registry")
 
 
 @dataclass
@@ -38,9 +40,14 @@ class Registry:
             if self.fingerprint is None:
                 self.fingerprint = fingerprint
             elif fingerprint.mismatches(self.fingerprint):
-                raise KVIncompatible(f"{info.instance_id} serves another model: differs in "
-                                     f"{', '.join(fingerprint.mismatches(self.fingerprint))}")
+                metrics.REFUSED.labels(reason="fingerprint").inc()
+                why = (f"{info.instance_id} serves another model than this deployment: its fingerprint differs "
+                       f"in {', '.join(fingerprint.mismatches(self.fingerprint))}")
+                log.warning("registration refused: %s", why)
+                raise KVIncompatible(why)
         self._entries[info.instance_id] = _Entry(info, self.clock())
+        metrics.QUEUE_DEPTH.labels(instance=info.instance_id).set(info.queue_depth)
+        metrics.FREE_KV.labels(instance=info.instance_id).set(info.free_kv_bytes)
         self._publish()
 
     def remove(self, instance_id: str) -> None:
@@ -55,20 +62,6 @@ class Registry:
     def all(self) -> list[tuple[InstanceInfo, bool]]:
         now = self.clock()
         return [(e.info, now - e.last_seen <= self.timeout_s) for e in self._entries.values()]
-
-    def pick(self, role: str, need_kv_bytes: int = 0, queue_limit: int | None = None) -> InstanceInfo | None:
-        """The healthy instance with the shortest queue (then the most free KV memory) that fits."""
-        fits = [i for i in self.healthy(role) if i.free_kv_bytes >= need_kv_bytes or role != "decode"]
-        if queue_limit is not None:
-            fits = [i for i in fits if i.queue_depth < queue_limit]
-        return min(fits, key=lambda i: (i.queue_depth, -i.free_kv_bytes), default=None)
-
-    def bump(self, instance_id: str) -> None:
-        """Count work we just sent, so back-to-back requests spread before the next heartbeat says so."""
-        entry = self._entries.get(instance_id)
-        if entry:
-            info = entry.info
-            entry.info = InstanceInfo(**{**info.to_json(), "queue_depth": info.queue_depth + 1})
 
     def _publish(self) -> None:
         for role in ROLES:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,11 +21,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prfaas.config import Config
-from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasError
+from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasError, RateLimited
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
+from prfaas.scheduler import Scheduler
 from prfaas.services import http, openai_api
-from prfaas.services.dispatch import Dispatcher, Job, new_seed
+from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
 
 log = logging.getLogger("prfaas.router")
@@ -37,8 +39,9 @@ class Router:
         self.config = config
         self.mode = mode
         self.registry = Registry(config.heartbeat_timeout_ms / 1e3)
+        self.scheduler = Scheduler(config, mode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
-        self.dispatcher = Dispatcher(self.registry, config, mode, self.client)
+        self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
 
     def required_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
@@ -51,14 +54,27 @@ class Router:
         return self.registry.fingerprint.model if self.registry.fingerprint else ""
 
     async def complete(self, body: Any, chat: bool) -> Any:
+        try:
+            return await self._complete(body, chat)
+        except PrfaasError as exc:
+            metrics.ERRORS.labels(code=exc.code).inc()
+            raise
+
+    async def _complete(self, body: Any, chat: bool) -> Any:
         req = openai_api.parse(body, chat)
         if req.model and self.model_name and req.model != self.model_name:
             raise InvalidRequest(f"model {req.model!r} is not served here; this deployment serves "
                                  f"{self.model_name!r}")
-        decode = self.registry.pick("decode", queue_limit=self.config.decode_queue_limit)
-        if decode is None:
-            raise KVUnavailable("no healthy decode instance with room in its queue")
-        job = await self._job(req, decode)
+        try:
+            self.scheduler.admit()
+        except RateLimited:
+            metrics.RATE_LIMITED.inc()
+            raise
+        tokenizer = next(iter(self.registry.healthy("decode")), None)
+        if tokenizer is None:
+            raise KVUnavailable("no healthy decode instance")
+        job = await self._job(req, tokenizer)
+        decode = await self.dispatcher.acquire_decode(job)
         rid = openai_api.new_id(chat)
         events = self.dispatcher.run(job, decode)
         if req.stream:
@@ -77,7 +93,7 @@ class Router:
                                  f"request has {len(ids)} prompt tokens and asks for {req.max_tokens or 1} more")
         max_tokens = req.max_tokens or min(openai_api.DEFAULT_MAX_TOKENS, room)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed if req.seed is not None else new_seed())
+                                  seed=req.seed if req.seed is not None else secrets.randbits(31))
         return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop)
 
     async def _collect(self, req: openai_api.CompletionRequest, rid: str, job: Job,
@@ -88,6 +104,7 @@ class Router:
             if event["event"] == "done":
                 done = event
         self._observe(job, "ok")
+        done["completion_tokens"] = len(job.generated)
         return openai_api.response(req, rid, self.model_name, "".join(parts), done["finish_reason"],
                                    self._usage(job, done), job.extension)
 
@@ -112,6 +129,7 @@ class Router:
                     is_first = False
                 event = await anext(events)
         except PrfaasError as exc:
+            metrics.ERRORS.labels(code=exc.code).inc()
             yield _sse(http.error_body(exc.http_status, exc.message, exc.code))
         finally:
             self._observe(job, status)
@@ -119,15 +137,17 @@ class Router:
 
     @staticmethod
     def _usage(job: Job, done: dict[str, Any]) -> dict[str, int]:
-        n = int(done.get("completion_tokens", 0))
+        n = len(job.generated)
         return {"prompt_tokens": len(job.token_ids), "completion_tokens": n, "total_tokens": len(job.token_ids) + n}
 
-    @staticmethod
-    def _observe(job: Job, status: str) -> None:
+    def _observe(self, job: Job, status: str) -> None:
         route = job.extension.get("route", "local")
         metrics.REQUESTS.labels(route=route, status=status).inc()
+        metrics.LINK_DEGRADED.set(1 if self.scheduler.link.health().degraded else 0)
         if job.first_token_at is not None:
             metrics.TTFT.labels(route=route).observe(job.first_token_at - job.arrived)
+            if job.last_token_at is not None and len(job.generated) > 1:
+                metrics.TPOT.observe((job.last_token_at - job.first_token_at) / (len(job.generated) - 1))
         metrics.E2E.labels(route=route).observe(time.perf_counter() - job.arrived)
 
     async def stores(self) -> dict[str, Any]:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import ssl as ssl_module
 from collections.abc import Iterator
 
 from prfaas.errors import InvalidRequest, KVTimeout, KVTruncated, KVUnauthorized, KVUnavailable, PrfaasError
-
-STREAM_LIMIT = 2 << 20  # asyncio's read buffer: above one chunk, so a 1 MiB chunk arrives without pausing reads
-SOCKET_BUFFER = 4 << 20
+from prfaas.transfer import tcp
+from prfaas.transfer.wire import Conn
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -30,30 +28,19 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def tune(writer: asyncio.StreamWriter) -> None:
-    """No Nagle delay for small control frames; large buffers so a chunk fits in flight."""
-    sock = writer.get_extra_info("socket")
-    if sock is None:
-        return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-
-
-async def connect(address: str, ssl: ssl_module.SSLContext | None,
-                  timeout_s: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Open a connection within ``timeout_s``; ``KVUnavailable`` if the peer cannot be reached."""
+async def connect(address: str, ssl: ssl_module.SSLContext | None, timeout_s: float,
+                  bandwidth_bps: float | None = None, rtt_s: float | None = None) -> Conn:
+    """Open a connection (TLS handshake included) within ``timeout_s``; ``KVUnavailable`` if the peer cannot be
+    reached, ``KVUnauthorized`` if its TLS certificate is not trusted. Socket buffers follow ``tcp.tune``."""
     host, port = split_address(address)
     try:
         async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(host, port, ssl=ssl, limit=STREAM_LIMIT)
+            conn = await Conn.open(host, port, ssl, lambda sock: tcp.tune(sock, bandwidth_bps, rtt_s))
     except ssl_module.SSLCertVerificationError as exc:
         raise KVUnauthorized(f"TLS peer {address} not trusted: {exc.verify_message}") from exc
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, ssl_module.SSLError) as exc:
         raise KVUnavailable(f"data-plane peer {address} unreachable: {exc!r}") from exc
-    tune(writer)
-    return reader, writer
+    return conn
 
 
 @contextlib.contextmanager
@@ -73,9 +60,6 @@ def mapped(what: str) -> Iterator[None]:
         raise KVTruncated(f"{what}: {exc!r}") from exc
 
 
-async def close(writer: asyncio.StreamWriter) -> None:
-    """Close a connection without waiting long for a peer that does not answer."""
-    writer.close()
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(1.0):
-            await writer.wait_closed()
+async def close(conn: Conn) -> None:
+    """Close a connection (never blocks: the socket is simply closed)."""
+    conn.close()

@@ -11,14 +11,17 @@ Every unit on the wire is a *frame* whose first byte says what it is::
 Exchanges (client → server, then server → client)::
 
     Put(kv_id, wait_ms)            P C* T          →  Ok | Error       push a blob into the server's store
-    Get(kv_id, from_chunk, wait_ms)                →  Ok P C* T | Error  read a blob (resume: from_chunk > 0)
+    Get(kv_id, from_chunk, wait_ms, stride, offset) →  Ok P C* T | Error  read a blob (resume: from_chunk > 0)
     Release(kv_id)                                 →  DeletionRecord | Error
     Stat()                                         →  StoreStats | Error
 
 ``Error(code, message)`` carries a code of ``prfaas.errors`` and is rebuilt with ``error_from_code``; it may
 also arrive in the middle of a Get's frames (the blob expired, was aborted, or its writer stalled), after which
 the server closes the connection. A resumed Get re-sends the header frame (the reader checks it is the same
-blob) and then the chunks from ``from_chunk``. ``wait_ms`` is how long the server waits for the next chunk that
+blob) and then the chunks from ``from_chunk``. A striped Get (``stride`` N > 1, one per connection) sends only the
+chunks ``i >= from_chunk`` with ``(i - from_chunk) % N == offset``, then the trailer: N connections share one blob.
+Fields with defaults (``stride``, ``offset``) may be left out by older peers.
+``wait_ms`` is how long the server waits for the next chunk that
 is still being written (Get) or for the next frame from the pusher (Put) before answering ``KV_TIMEOUT``.
 
 Every length read from the wire is bounded before anything is allocated: control messages by ``MAX_MESSAGE``,
@@ -27,8 +30,9 @@ header/trailer metadata by the blob format's ``MAX_META``, chunks by the blob's 
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import struct
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -46,6 +50,7 @@ from prfaas.kv.format import (
     parse_chunk_head,
 )
 from prfaas.store.records import DeletionRecord, StoreStats
+from prfaas.transfer.wire import Conn
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE = 64 << 10
@@ -63,6 +68,12 @@ class Get:
     kv_id: str
     from_chunk: int
     wait_ms: int
+    stride: int = 1
+    offset: int = 0
+
+    def wants(self, index: int) -> bool:
+        """Whether chunk ``index`` travels on this (possibly striped) Get."""
+        return index >= self.from_chunk and (index - self.from_chunk) % self.stride == self.offset
 
 
 @dataclass(frozen=True)
@@ -118,61 +129,80 @@ def decode(body: bytes) -> Message:
     if version != PROTOCOL_VERSION or cls is None or not isinstance(values, dict):
         raise KVBadFormat(f"unknown control message (version {version!r}, tag {str(tag)[:40]!r})")
     spec = {f.name: _FIELD_TYPES[str(f.type)] for f in fields(cls)}
-    if set(values) != set(spec) or not all(isinstance(values[k], t) for k, t in spec.items()):
+    required = {f.name for f in fields(cls) if f.default is dataclasses.MISSING}
+    if not required <= set(values) <= set(spec) or not all(isinstance(values[k], spec[k]) for k in values):
         raise KVBadFormat(f"control message {tag!r} has wrong fields: {sorted(values)[:10]}")
     message: Message = cls(**values)
+    if isinstance(message, Get) and not 0 <= message.offset < message.stride <= 64:
+        raise KVBadFormat(f"Get stride {message.stride} / offset {message.offset} out of limits")
     return message
+
+
+Buffer = Callable[[int], memoryview]
 
 
 @dataclass(frozen=True)
 class Frame:
     """One frame read off the wire. For a chunk, ``head`` is its ``CHUNK_HEAD_SIZE`` bytes and ``data`` the
-    payload (its xxHash64 not yet checked: the consumer checks it before use); for a header or trailer,
-    ``head + data`` is the whole frame; for a control frame, ``message`` is set."""
+    payload (its xxHash64 not yet checked: the consumer checks it before use); ``frame`` is the whole frame when
+    it lies in one buffer. For a header or trailer, ``frame`` is the whole frame; for a control frame, ``message``
+    is set."""
 
     tag: bytes
     head: bytes = b""
-    data: bytes = b""
+    data: bytes | bytearray | memoryview = b""
     index: int = 0
     checksum: int = 0
     message: Message | None = None
+    frame: bytes | bytearray | None = None
 
     @property
-    def whole(self) -> bytes:
-        return self.head + self.data
+    def whole(self) -> bytes | bytearray:
+        return self.frame if self.frame is not None else self.head + bytes(self.data)
 
 
-async def read_frame(stream: asyncio.StreamReader, max_chunk: int = MAX_CHUNK) -> Frame:
-    """Read exactly one frame. ``KVCorrupt`` for a damaged head or an unknown tag, ``KVBadFormat`` for a length
-    over its limit, ``asyncio.IncompleteReadError`` if the peer closes mid-frame."""
-    tag = await stream.readexactly(1)
+async def read_frame(conn: Conn, max_chunk: int = MAX_CHUNK, buffer: Buffer | None = None) -> Frame:
+    """Read exactly one frame from ``conn``. A chunk's data goes into ``buffer(length)`` when given (the caller's
+    preallocated memory), else into a fresh buffer that also holds the head (``frame``). ``KVCorrupt`` for a
+    damaged head or an unknown tag, ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError``
+    if the peer closes mid-frame."""
+    tag = bytes(await conn.read_exactly(1))
     if tag == b"C":
-        head = tag + await stream.readexactly(CHUNK_HEAD_SIZE - 1)
+        head = tag + bytes(await conn.read_exactly(CHUNK_HEAD_SIZE - 1))
         index, length, checksum = parse_chunk_head(head)
         if length > max_chunk:
             raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size {max_chunk}")
-        return Frame(tag, head, await stream.readexactly(length), index, checksum)
+        if buffer is not None:
+            data = buffer(length)
+            await conn.recv_exactly(data)
+            return Frame(tag, head, data, index, checksum)
+        whole = bytearray(CHUNK_HEAD_SIZE + length)
+        whole[:CHUNK_HEAD_SIZE] = head
+        view = memoryview(whole)[CHUNK_HEAD_SIZE:]
+        await conn.recv_exactly(view)
+        return Frame(tag, head, view, index, checksum, frame=whole)
     if tag in (b"P", b"T"):
-        head = tag + await stream.readexactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1)
-        return Frame(tag, head, await stream.readexactly(meta_length(head) + META_SUM_SIZE))
+        head = tag + bytes(await conn.read_exactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1))
+        rest = bytes(await conn.read_exactly(meta_length(head) + META_SUM_SIZE))
+        return Frame(tag, head, rest, frame=head + rest)
     if tag == b"M":
-        return Frame(tag, message=await _read_message_body(stream))
+        return Frame(tag, message=await _read_message_body(conn))
     raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
 
 
-async def _read_message_body(stream: asyncio.StreamReader) -> Message:
-    _, n, checksum = _MSG_HEAD.unpack(b"M" + await stream.readexactly(_MSG_HEAD.size - 1))
+async def _read_message_body(conn: Conn) -> Message:
+    _, n, checksum = _MSG_HEAD.unpack(b"M" + bytes(await conn.read_exactly(_MSG_HEAD.size - 1)))
     if n > MAX_MESSAGE:
         raise KVBadFormat(f"control message of {n} bytes is over the {MAX_MESSAGE}-byte limit")
-    body = await stream.readexactly(n)
+    body = bytes(await conn.read_exactly(n))
     if xxhash.xxh32_intdigest(body) != checksum:
         raise KVCorrupt("control message failed its xxHash32 check")
     return decode(body)
 
 
-async def read_message(stream: asyncio.StreamReader) -> Message:
+async def read_message(conn: Conn) -> Message:
     """Read one control frame; anything else is ``KVBadFormat``. An ``Error`` is returned, not raised."""
-    frame = await read_frame(stream)
+    frame = await read_frame(conn)
     if frame.message is None:
         raise KVBadFormat(f"expected a control message, got a {frame.tag!r} frame")
     return frame.message

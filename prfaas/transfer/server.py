@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl as ssl_module
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import protocol as p
-from prfaas.transfer.conn import STREAM_LIMIT, close, mapped, tune
+from prfaas.transfer import tcp
+from prfaas.transfer.conn import mapped
+from prfaas.transfer.wire import Conn
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # a client's wait_ms is capped at this
@@ -35,125 +38,146 @@ class TransferServer:
         self.store, self.host, self.port, self.ssl = store, host, port, ssl
         self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
         self.connections = 0  # accepted since start (tests count retries with it)
-        self._server: asyncio.Server | None = None
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> int:
         """Bind and start accepting; returns the bound port."""
-        self._server = await asyncio.start_server(self._handle, self.host, self.port, ssl=self.ssl,
-                                                  limit=STREAM_LIMIT)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._sock = socket.create_server((self.host, self.port), backlog=512)
+        self._sock.setblocking(False)
+        self.port = self._sock.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept())
         return self.port
 
     async def close(self) -> None:
         """Stop accepting, cancel the connection tasks and close their sockets. Blobs stay in the store."""
-        if self._server is not None:
-            self._server.close()
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+            self._accepting = None
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
+    async def _accept(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # e.g. out of file descriptors: keep serving the connections we have
+                log.warning("data-plane accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tcp.tune(sock)
+            task = asyncio.create_task(self._handle(Conn(sock)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handle(self, conn: Conn) -> None:
         self.connections += 1
-        tune(writer)
         try:
             try:
+                if self.ssl is not None:
+                    async with asyncio.timeout(self.idle_s):
+                        await conn.start_tls(self.ssl, server_side=True)
                 if len(self._tasks) > self.max_connections:
                     raise KVUnavailable(f"data-plane server busy ({self.max_connections} connections)")
-                await self._serve(reader, writer)
+                with mapped("data-plane request"):
+                    await self._serve(conn)
             except PrfaasError as exc:
-                await self._answer_error(reader, writer, exc)
-        except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the peer went away or idled out: nothing to answer
+                await self._answer_error(conn, exc)
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, ssl_module.SSLError):
+            pass  # the peer went away, idled out or failed its handshake: nothing to answer
         except asyncio.CancelledError:
-            pass  # close(): this top-level task just ends (asyncio's stream callback would log a re-raise)
+            pass  # close(): this top-level task just ends
         finally:
-            self._tasks.discard(task)
-            await close(writer)
+            conn.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, conn: Conn) -> None:
         while True:
             try:
                 async with asyncio.timeout(self.idle_s):
-                    request = await p.read_message(reader)
+                    request = await p.read_message(conn)
             except asyncio.IncompleteReadError as exc:
                 if exc.partial:
                     raise
                 return  # clean close between exchanges
-            await self._dispatch(request, reader, writer)
+            await self._dispatch(request, conn)
 
-    async def _dispatch(self, request: p.Message, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _dispatch(self, request: p.Message, conn: Conn) -> None:
         if isinstance(request, p.Get):
-            await self._get(request, writer)
+            await self._get(request, conn)
         elif isinstance(request, p.Put):
-            await self._put(request, reader)
-            await self._send(writer, [p.encode(p.Ok())])
+            await self._put(request, conn)
+            await self._send(conn, p.encode(p.Ok()))
         elif isinstance(request, p.Release):
-            await self._send(writer, [p.encode(self.store.release(request.kv_id))])
+            await self._send(conn, p.encode(self.store.release(request.kv_id)))
         elif isinstance(request, p.Stat):
-            await self._send(writer, [p.encode(self.store.stats())])
+            await self._send(conn, p.encode(self.store.stats()))
         else:
             raise InvalidRequest(f"{type(request).__name__} is not a request")
 
-    async def _get(self, request: p.Get, writer: asyncio.StreamWriter) -> None:
+    async def _get(self, request: p.Get, conn: Conn) -> None:
+        """Header, then this Get's chunks (every ``stride``-th from ``offset``), then the trailer; each frame is
+        sent from the store's own memory."""
         frames = self.store.frames(request.kv_id, request.from_chunk, _wait_s(request.wait_ms))
         async with contextlib.aclosing(frames):
             header = await anext(frames)  # lookup errors are answered before Ok
-            await self._send(writer, [p.encode(p.Ok()), header])
+            await self._send(conn, p.encode(p.Ok()), header)
+            index = request.from_chunk
             async for frame in frames:
-                await self._send(writer, [frame])
+                if frame[:1] != b"C" or request.wants(index):
+                    await self._send(conn, frame)
+                index += 1
 
-    async def _put(self, request: p.Put, reader: asyncio.StreamReader) -> None:
+    async def _put(self, request: p.Put, conn: Conn) -> None:
         wait_s = _wait_s(request.wait_ms)
         async with asyncio.timeout(wait_s):
-            first = await p.read_frame(reader, max_chunk=0)
+            first = await p.read_frame(conn, max_chunk=0)
         if first.tag != b"P":
             raise KVBadFormat("a Put must start with the blob's header frame")
         header, frame = parse_header(first.whole)
         self.store.create(request.kv_id, frame)
         try:
-            while not await self._put_frame(request.kv_id, reader, header.chunk_size, wait_s):
+            while not await self._put_frame(request.kv_id, conn, header.chunk_size, wait_s):
                 pass
         except BaseException:
             with contextlib.suppress(PrfaasError):
                 self.store.abort(request.kv_id)
             raise
 
-    async def _put_frame(self, kv_id: str, reader: asyncio.StreamReader, chunk_size: int, wait_s: float) -> bool:
-        """Store the next frame of a Put; True once the trailer is in."""
+    async def _put_frame(self, kv_id: str, conn: Conn, chunk_size: int, wait_s: float) -> bool:
+        """Store the next frame of a Put (received into its own buffer, kept as is); True once the trailer is in."""
         try:
             async with asyncio.timeout(wait_s):
-                frame = await p.read_frame(reader, chunk_size)
+                frame = await p.read_frame(conn, chunk_size)
         except TimeoutError as exc:
             raise KVTimeout(f"pusher of {kv_id} sent nothing for {wait_s:.3f} s") from exc
         if frame.tag == b"C":
-            self.store.append(kv_id, frame.whole)
+            self.store.append(kv_id, frame.whole)  # type: ignore[arg-type]  # a bytearray: kept, not copied
             return False
         if frame.tag == b"T":
-            self.store.finish(kv_id, frame.whole)
+            self.store.finish(kv_id, bytes(frame.whole))
             return True
         raise KVBadFormat(f"unexpected {frame.tag!r} frame inside a Put")
 
-    async def _send(self, writer: asyncio.StreamWriter, frames: list[bytes]) -> None:
-        writer.writelines(frames)
+    async def _send(self, conn: Conn, *frames: bytes) -> None:
         async with asyncio.timeout(self.send_timeout_s):
-            await writer.drain()
+            await conn.sendall(*frames)
 
-    async def _answer_error(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            exc: PrfaasError) -> None:
+    async def _answer_error(self, conn: Conn, exc: PrfaasError) -> None:
         with contextlib.suppress(PrfaasError), mapped("error reply"):
-            await self._send(writer, [p.encode(p.Error.of(exc))])
-            if writer.can_write_eof():
-                writer.write_eof()
+            await self._send(conn, p.encode(p.Error.of(exc)))
+            conn.write_eof()
+            scratch = memoryview(bytearray(1 << 16))
             async with asyncio.timeout(LINGER_S):
-                while await reader.read(1 << 16):
+                while await conn.recv_into(scratch):
                     pass
 
 

@@ -151,8 +151,9 @@ class FaultProxy:
                 sock = cwriter.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             for writer in (cwriter, uwriter):
-                writer.close()
-                with contextlib.suppress(Exception):
+                writer.close()  # both before any wait: a cancelled wait must not leave the other open
+            for writer in (cwriter, uwriter):
+                with contextlib.suppress(Exception, asyncio.CancelledError):
                     await writer.wait_closed()
             self._tasks.discard(task)
 

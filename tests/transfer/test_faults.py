@@ -66,7 +66,11 @@ def test_cut_mid_stream_resumes_from_the_last_verified_chunk(reset: bool) -> Non
                                                     retries=2)
     assert isinstance(result, KVState)
     assert_same(STATE, result)
-    assert connections == 2 and resumed == [20]  # chunks 0–19 were kept, not fetched again
+    assert connections == 2 and len(resumed) == 1
+    if reset:  # an RST discards what the kernel held unread, so the resume point depends on how far we had read
+        assert 0 < resumed[0] <= 20
+    else:
+        assert resumed == [20]  # chunks 0–19 were kept, not fetched again
 
 
 def test_corrupt_chunk_is_fetched_again_never_used() -> None:

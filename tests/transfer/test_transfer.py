@@ -11,6 +11,7 @@ from prfaas.kv import BlobReader, LayerState
 from prfaas.store import BlobStore
 from prfaas.transfer import TransferServer, pull, push, release, stat
 from prfaas.transfer import protocol as p
+from prfaas.transfer.wire import Conn
 from tests.transfer.helpers import assert_clean, assert_same, blob_frames, fill, make_state, run
 
 MiB = 1 << 20
@@ -176,15 +177,13 @@ def test_garbage_gets_an_error_code_and_the_connection_is_closed(garbage: bytes)
     async def scenario() -> None:
         async with Served() as relay:
             host, port = relay.address.split(":")
-            stream, writer = await asyncio.open_connection(host, int(port))
-            writer.write(garbage)
-            await writer.drain()
+            conn = await Conn.open(host, int(port), None)
+            await conn.sendall(garbage)
             async with asyncio.timeout(2.0):
-                reply = await p.read_message(stream)
+                reply = await p.read_message(conn)
                 assert isinstance(reply, p.Error) and reply.code in ("KV_CORRUPT", "KV_BAD_FORMAT", "INVALID_REQUEST")
-                assert await stream.read() == b""  # the server hung up
-            writer.close()
-            await writer.wait_closed()
+                assert await conn.recv_into(memoryview(bytearray(16))) == 0  # the server hung up
+            conn.close()
             assert_clean(relay.store)
 
     run(scenario)

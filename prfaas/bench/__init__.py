@@ -1,0 +1,1 @@
+"""Benchmarks users run: ``prfaas bench transfer`` (the KV data plane), and the acceptance matrix."""

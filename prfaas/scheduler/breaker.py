@@ -1,0 +1,54 @@
+"""Per-instance circuit breaker: closed → open after consecutive failures → half-open after a cool-down."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+
+@dataclass
+class _State:
+    failures: int = 0
+    opened_at: float | None = None
+    probing: bool = False
+
+
+class CircuitBreaker:
+    """``allow(id)`` says whether to send work to an instance. After ``threshold`` consecutive failures the
+    breaker opens for ``cooldown_s``; then one probe request is let through (half-open): its success closes the
+    breaker, its failure opens it again."""
+
+    def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self.clock = clock
+        self._states: dict[str, _State] = {}
+
+    def state(self, instance_id: str) -> str:
+        s = self._states.get(instance_id)
+        if s is None or s.opened_at is None:
+            return CLOSED
+        return HALF_OPEN if self.clock() - s.opened_at >= self.cooldown_s else OPEN
+
+    def allow(self, instance_id: str) -> bool:
+        state = self.state(instance_id)
+        if state == CLOSED:
+            return True
+        s = self._states[instance_id]
+        if state == HALF_OPEN and not s.probing:
+            s.probing = True
+            return True
+        return False
+
+    def success(self, instance_id: str) -> None:
+        self._states.pop(instance_id, None)
+
+    def failure(self, instance_id: str) -> None:
+        s = self._states.setdefault(instance_id, _State())
+        s.failures += 1
+        s.probing = False
+        if s.failures >= self.threshold:
+            s.opened_at = self.clock()

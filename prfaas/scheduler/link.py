@@ -1,0 +1,74 @@
+"""Link health as the router sees it, from the outcome of every remote transfer.
+
+For each remote request the router records success or failure and the *exposed* transfer time: the part of the
+KV pull that was not hidden behind the prefill's forward pass (decode's pull time minus the prefill's compute and
+queue time). With layer-wise streaming that is about the last chunk's transfer, which is what
+``degrade_p99_ms`` (per chunk, CONTRACTS.md) bounds. The link is degraded when, over the window, the P99 of that
+time exceeds ``degrade_p99_ms`` or the success rate falls below ``success_rate_threshold``; while degraded, new
+requests are prefilled locally. Every ``probe_every``-th request still goes remote so that recovery is seen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIN_SAMPLES = 5
+
+
+@dataclass(frozen=True)
+class LinkHealth:
+    samples: int
+    success_rate: float
+    exposed_p50_ms: float
+    exposed_p99_ms: float
+    degraded: bool
+    reason: str
+
+
+class LinkMonitor:
+    def __init__(self, degrade_p99_ms: float, success_rate_threshold: float, window_s: float = 60.0,
+                 max_samples: int = 2000, probe_every: int = 20, clock: Callable[[], float] = time.monotonic):
+        self.degrade_p99_ms = degrade_p99_ms
+        self.success_rate_threshold = success_rate_threshold
+        self.window_s = window_s
+        self.probe_every = probe_every
+        self.clock = clock
+        self._samples: deque[tuple[float, bool, float]] = deque(maxlen=max_samples)
+        self._skipped = 0
+
+    def record(self, ok: bool, exposed_ms: float = 0.0) -> None:
+        self._samples.append((self.clock(), ok, max(0.0, exposed_ms)))
+
+    def health(self) -> LinkHealth:
+        cutoff = self.clock() - self.window_s
+        recent = [s for s in self._samples if s[0] >= cutoff]
+        if len(recent) < MIN_SAMPLES:
+            return LinkHealth(len(recent), 1.0, 0.0, 0.0, False, "not enough samples")
+        rate = sum(1 for s in recent if s[1]) / len(recent)
+        times = sorted(s[2] for s in recent if s[1]) or [0.0]
+        p50, p99 = _quantile(times, 0.5), _quantile(times, 0.99)
+        if rate < self.success_rate_threshold:
+            return LinkHealth(len(recent), rate, p50, p99, True, f"transfer success rate {rate:.1%} is below "
+                              f"{self.success_rate_threshold:.1%}")
+        if p99 > self.degrade_p99_ms:
+            return LinkHealth(len(recent), rate, p50, p99, True, f"exposed transfer P99 {p99:.0f} ms is over "
+                              f"{self.degrade_p99_ms:.0f} ms")
+        return LinkHealth(len(recent), rate, p50, p99, False, "healthy")
+
+    def allow_remote(self) -> tuple[bool, str]:
+        """Whether the link may take a remote request now, and why not (a probe gets through now and then)."""
+        health = self.health()
+        if not health.degraded:
+            return True, health.reason
+        self._skipped += 1
+        if self._skipped % self.probe_every == 0:
+            return True, f"probe while degraded: {health.reason}"
+        return False, health.reason
+
+
+def _quantile(values: list[float], q: float) -> float:
+    index = min(len(values) - 1, max(0, round(q * (len(values) - 1))))
+    return values[index]

@@ -1,0 +1,35 @@
+"""Token-bucket rate limit (``rate_limit_qps``): the router answers 429 with ``Retry-After`` when it is empty."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+
+class TokenBucket:
+    """``rate`` tokens per second, at most ``burst`` saved up. ``take()`` returns 0 when a request may go, else the
+    seconds until it could."""
+
+    def __init__(self, rate: float, burst: float | None = None, clock: Callable[[], float] = time.monotonic):
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.rate = rate
+        self.burst = burst if burst is not None else max(1.0, rate)
+        self.clock = clock
+        self._tokens = self.burst
+        self._at = clock()
+
+    def take(self) -> float:
+        now = self.clock()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / self.rate
+
+    @staticmethod
+    def retry_after(wait_s: float) -> int:
+        """The ``Retry-After`` header value: whole seconds, at least 1."""
+        return max(1, math.ceil(wait_s))

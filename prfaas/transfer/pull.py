@@ -1,0 +1,219 @@
+"""``pull``: read one blob out of a remote store over ``streams`` TCP connections striped by chunk.
+
+Pipeline of one attempt: each stripe connection receives its chunks (``Get`` with ``stride``/``offset``) straight
+into buffers from its own small pool (``WINDOW`` chunks: back-pressure, bounded memory); one feeder verifies and
+feeds them to the ``BlobReader`` in chunk order on a worker thread (xxHash64 and the copy into the layer buffers
+run while the event loop keeps receiving), then gives the buffer back. A stripe that fails ends the attempt;
+the next attempt resumes every stripe from ``reader.next_chunk`` (the last verified chunk) on new connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_module
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTimeout, KVTruncated, KVUnavailable, PrfaasError
+from prfaas.kv.format import BlobReader, parse_trailer
+from prfaas.kv.state import KVState, LayerState
+from prfaas.transfer import protocol as p
+from prfaas.transfer import stats
+from prfaas.transfer.conn import close, connect, mapped
+from prfaas.transfer.wire import Conn
+
+log = logging.getLogger(__name__)
+RESUMABLE = (KVTimeout, KVCorrupt, KVTruncated, KVUnavailable)
+BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
+WINDOW = 4  # chunk buffers per stripe
+_VERIFY = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prfaas-verify")
+
+LayersCallback = Callable[[list[LayerState]], None]
+
+
+def backoff(attempt: int, base_s: float = BACKOFF_S) -> float:
+    """Exponential backoff with jitter before retry number ``attempt`` (1, 2, …): half to all of
+    ``base_s × 2^(attempt-1)``, capped at ``BACKOFF_CAP_S``."""
+    import random
+
+    return min(BACKOFF_CAP_S, base_s * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+
+
+async def pull(address: str, kv_id: str, reader: BlobReader, *, timeout_s: float, retries: int = 2,
+               ssl: ssl_module.SSLContext | None = None, on_layers: LayersCallback | None = None,
+               backoff_s: float = BACKOFF_S, on_retry: Callable[[int, PrfaasError], None] | None = None,
+               streams: int = 1, deadline_s: float | None = None,
+               limit: stats.InflightLimit | None = None) -> KVState:
+    """Read blob ``kv_id`` from the store at ``address`` into ``reader`` (the caller owns it) and return the
+    verified state. ``streams`` connections share the chunks. A reset, a stall past ``timeout_s`` (one chunk's
+    wait), a corrupt chunk (never used: fetched again) or a truncated stream resumes from ``reader.next_chunk``
+    on new connections, after exponential backoff with jitter, at most ``retries`` times and only while the
+    process-wide retry cap allows (``stats``); then the last error is raised. ``KVNotFound``, ``KVExpired``,
+    ``KVBadFormat``, ``KVIncompatible`` and ``KVTooLarge`` are raised at once. ``deadline_s`` bounds the whole
+    pull (``KVTimeout``; see ``stats.blob_deadline_s``); ``limit`` is ``max_inflight_kv``. ``on_layers`` gets
+    layers as they complete; ``on_retry`` is told each retry. No task, socket or buffer outlives the call."""
+    recorder = stats.RECORDERS["pull"]
+    async with stats.maybe_slot(limit):
+        recorder.started()
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(deadline_s):
+                state = await _attempts(address, kv_id, reader, timeout_s, retries, ssl, on_layers, backoff_s,
+                                        on_retry, max(1, streams))
+        except TimeoutError as exc:
+            recorder.finished(False, time.perf_counter() - start, 0, KVTimeout.code)
+            raise KVTimeout(f"pull {kv_id}: blob deadline of {deadline_s:.3f} s passed") from exc
+        except PrfaasError as exc:
+            recorder.finished(False, time.perf_counter() - start, 0, exc.code)
+            raise
+        recorder.finished(True, time.perf_counter() - start, state.nbytes)
+        return state
+
+
+async def _attempts(address: str, kv_id: str, reader: BlobReader, timeout_s: float, retries: int,
+                    ssl: ssl_module.SSLContext | None, on_layers: LayersCallback | None, backoff_s: float,
+                    on_retry: Callable[[int, PrfaasError], None] | None, streams: int) -> KVState:
+    attempt = 0
+    while True:
+        try:
+            await _Attempt(address, kv_id, reader, timeout_s, ssl, on_layers, streams).run()
+            return reader.state()
+        except RESUMABLE as exc:
+            if attempt >= retries or not stats.RECORDERS["pull"].allow_retry(exc.code):
+                raise
+            attempt += 1
+            log.info("pull %s: %s; retry %d/%d from chunk %d", kv_id, exc.code, attempt, retries,
+                     reader.next_chunk)
+            if on_retry is not None:
+                on_retry(attempt, exc)
+            await asyncio.sleep(backoff(attempt, backoff_s))
+
+
+class _Attempt:
+    """One try: ``streams`` stripe tasks and one feeder; the first failure cancels the rest."""
+
+    def __init__(self, address: str, kv_id: str, reader: BlobReader, timeout_s: float,
+                 ssl: ssl_module.SSLContext | None, on_layers: LayersCallback | None, streams: int) -> None:
+        self.address, self.kv_id, self.reader, self.timeout_s, self.ssl = address, kv_id, reader, timeout_s, ssl
+        self.on_layers, self.streams = on_layers, streams
+        self.base = reader.next_chunk
+        self.ready: dict[int, tuple[bytearray, int, int, asyncio.Queue[bytearray]]] = {}
+        self.trailer: bytes | bytearray | None = None
+        self.changed = asyncio.Event()
+        self.draining = False
+
+    async def run(self) -> None:
+        stripes = [asyncio.create_task(self._stripe(s)) for s in range(self.streams)]
+        feeder = asyncio.create_task(self._feed())
+        try:
+            done, _ = await asyncio.wait([*stripes, feeder], return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t.exception() for t in done if t.exception() is not None]
+            if failed:
+                if feeder not in done:  # a connection failed: keep what already arrived in order, then resume
+                    await self._drain(stripes, feeder)
+                raise failed[0]  # type: ignore[misc]
+        finally:
+            for task in [*stripes, feeder]:
+                task.cancel()
+            await asyncio.gather(*stripes, feeder, return_exceptions=True)
+
+    async def _drain(self, stripes: list[asyncio.Task[None]], feeder: asyncio.Task[None]) -> None:
+        for task in stripes:
+            task.cancel()
+        await asyncio.gather(*stripes, return_exceptions=True)
+        self.draining = True
+        self.changed.set()
+        await asyncio.gather(feeder, return_exceptions=True)  # a chunk that fails here is simply fetched again
+
+    async def _stripe(self, offset: int) -> None:
+        conn = await connect(self.address, self.ssl, self.timeout_s)
+        try:
+            with mapped(f"pull {self.kv_id}"):
+                await self._receive(conn, offset)
+        finally:
+            stats.RECORDERS["pull"].connection(_info(conn))
+            await close(conn)
+
+    async def _receive(self, conn: Conn, offset: int) -> None:
+        get = p.Get(self.kv_id, self.base, max(1, int(self.timeout_s * 1000)), self.streams, offset)
+        async with asyncio.timeout(self.timeout_s):
+            await conn.sendall(p.encode(get))
+            p.expect(await p.read_message(conn), p.Ok)
+            first = await p.read_frame(conn, max_chunk=0)
+        self._check_header(first)
+        assert self.reader.header is not None
+        size = self.reader.header.chunk_size
+        pool: asyncio.Queue[bytearray] = asyncio.Queue()
+        for _ in range(WINDOW):
+            pool.put_nowait(bytearray(size))
+        while True:
+            buf = await pool.get()  # back-pressure: at most WINDOW chunks of this stripe wait for the feeder
+            async with asyncio.timeout(self.timeout_s):
+                frame = await p.read_frame(conn, size, _slicer(buf))
+            if frame.tag == b"C":
+                if not get.wants(frame.index) or frame.index in self.ready:
+                    raise KVBadFormat(f"chunk {frame.index} arrived on the wrong stripe")
+                self.ready[frame.index] = (buf, len(frame.data), frame.checksum, pool)
+                self.changed.set()
+                continue
+            pool.put_nowait(buf)
+            if frame.tag == b"T":
+                parse_trailer(frame.whole)
+                self.trailer = frame.whole
+                self.changed.set()
+                return
+            if isinstance(frame.message, p.Error):
+                raise frame.message.exception()  # the server gave up mid-stream (expired, aborted, stalled)
+            raise KVBadFormat(f"unexpected {frame.tag!r} frame inside a blob")
+
+    def _check_header(self, first: p.Frame) -> None:
+        if first.tag != b"P":
+            raise KVBadFormat(f"blob {self.kv_id} did not start with its header frame")
+        self.reader.resume_header(first.whole)
+        assert self.reader.header is not None
+        if self.reader.header.kv_id != self.kv_id:
+            raise KVIncompatible(f"asked for blob {self.kv_id}, got {self.reader.header.kv_id}")
+
+    async def _feed(self) -> None:
+        """Verify and use chunks in order; a chunk that fails a check leaves ``reader`` as it was."""
+        loop = asyncio.get_running_loop()
+        while not self.reader.done:
+            index = self.reader.next_chunk
+            item = self.ready.pop(index, None)
+            if item is not None:
+                buf, length, checksum, pool = item
+                work = loop.run_in_executor(_VERIFY, self.reader.feed_chunk, index, memoryview(buf)[:length],
+                                            checksum)
+                try:
+                    layers = await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    await asyncio.wait([work])  # the reader must not change after this attempt has ended
+                    raise
+                finally:
+                    pool.put_nowait(buf)
+                if layers and self.on_layers is not None:
+                    self.on_layers(layers)
+            elif self.trailer is not None and parse_trailer(self.trailer).chunk_count == index:
+                layers = self.reader.feed(self.trailer)
+                if layers and self.on_layers is not None:
+                    self.on_layers(layers)
+            elif self.draining:
+                return
+            else:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def _slicer(buf: bytearray) -> p.Buffer:
+    return lambda n: memoryview(buf)[:n]
+
+
+def _info(conn: Conn) -> stats.TcpInfo | None:
+    from prfaas.transfer.tcp import tcp_info
+
+    with contextlib.suppress(Exception):
+        return tcp_info(conn.sock)
+    return None
