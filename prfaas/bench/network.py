@@ -1,0 +1,67 @@
+"""Network conditions through the lab during a run: set per cell, the cut scheduled inside its cell.
+
+``NetworkControl`` owns nothing it did not set: ``close`` puts back the settings the lab had before the run.
+Without a lab that is up (or without root) every condition but ``normal`` is skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+from prfaas.bench.matrix import Network
+from prfaas.errors import LabUnavailable
+from prfaas.lab.lab import Lab
+from prfaas.lab.spec import LinkSettings
+
+
+class NetworkControl:
+    def __init__(self, network: Network) -> None:
+        self.network = network
+        self.lab: Lab | None = None
+        self.saved: LinkSettings | None = None
+        self.reason = ""
+        try:
+            lab = Lab()
+            self.saved = lab.current()
+            self.lab = lab
+        except LabUnavailable as exc:
+            self.reason = f"no lab: {exc.message}"
+
+    @property
+    def available(self) -> bool:
+        return self.lab is not None
+
+    def settings(self, condition: str) -> LinkSettings:
+        n = self.network
+        base = LinkSettings(rate=n.rate, mtu=self.saved.mtu if self.saved else 1500)
+        if condition == "delay":
+            return dataclasses.replace(base, delay_ms=n.delay_ms, jitter_ms=n.jitter_ms)
+        if condition == "loss":
+            return dataclasses.replace(base, loss=n.loss)
+        return base
+
+    def apply(self, condition: str) -> LinkSettings | None:
+        """Set the lab for ``condition`` (the cut itself comes from ``cut_during``)."""
+        if self.lab is None:
+            return None
+        link = self.settings(condition)
+        self.lab.reset(link)
+        return link
+
+    async def cut_during(self, epoch: float) -> tuple[float, float]:
+        """Cut the WAN ``cut_at_s`` into the cell for ``cut_s``; return the window (run-relative seconds)."""
+        assert self.lab is not None
+        await asyncio.sleep(self.network.cut_at_s)
+        start = time.perf_counter() - epoch
+        await asyncio.to_thread(self.lab.set, cut=True)
+        try:
+            await asyncio.sleep(self.network.cut_s)
+        finally:
+            await asyncio.to_thread(self.lab.set, cut=False)
+        return start, time.perf_counter() - epoch
+
+    def close(self) -> None:
+        if self.lab is not None and self.saved is not None:
+            self.lab.reset(self.saved)

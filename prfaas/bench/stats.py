@@ -1,0 +1,93 @@
+"""Per-cell metrics from request records: TTFT/TPOT/ITL/E2E percentiles, throughput, goodput, and the prfaas
+transfer view (transfer success, retries, degradations, fallbacks) for requests outside any fault window."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from prfaas.bench.client import RequestRecord
+
+QUANTILES = (50, 90, 99)
+
+
+def percentile(samples: list[float], q: float) -> float | None:
+    """Nearest-rank percentile; None for no samples."""
+    if not samples:
+        return None
+    ordered = sorted(samples)
+    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+
+
+def latency(samples_s: list[float]) -> dict[str, float | None]:
+    """P50/P90/P99 and mean, in milliseconds."""
+    out: dict[str, float | None] = {f"p{q}": _ms(percentile(samples_s, q)) for q in QUANTILES}
+    out["mean"] = _ms(sum(samples_s) / len(samples_s)) if samples_s else None
+    return out
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1e3, 2)
+
+
+def in_window(record: RequestRecord, window: tuple[float, float] | None) -> bool:
+    """Did the request run while the fault was on (or start within a short recovery after it)?"""
+    if window is None:
+        return False
+    end = record.start + (record.e2e_s or 0.0)
+    return record.start <= window[1] and end >= window[0]
+
+
+def summarize(records: list[RequestRecord], wall_s: float, window: tuple[float, float] | None = None,
+              ttft_goal_s: float | None = None, tpot_goal_s: float | None = None) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    good = [r for r in ok if (ttft_goal_s is None or (r.ttft_s or 0) <= ttft_goal_s)
+            and (tpot_goal_s is None or (r.tpot_s or 0) <= tpot_goal_s)]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    return {
+        "requests": len(records), "ok": len(ok), "errors": errors,
+        "success_rate": len(ok) / len(records) if records else None,
+        "ttft_ms": latency([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_ms": latency([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_ms": latency([g for r in ok for g in r.itl_s]),
+        "e2e_ms": latency([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "output_tokens_mean": round(tokens / len(ok), 1) if ok else None,
+        "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
+        "output_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+        "goodput_rps": round(len(good) / wall_s, 3) if wall_s > 0 else None,
+        "transfer": transfer_view([r for r in records if not in_window(r, window)]),
+        "transfer_in_fault": transfer_view([r for r in records if in_window(r, window)]) if window else None,
+    }
+
+
+def transfer_view(records: list[RequestRecord]) -> dict[str, Any]:
+    """From the ``prfaas`` field: a transfer was attempted for every remote route and every fallback; it
+    succeeded when the request stayed remote. A degradation is a long prompt kept local by the link's health (a
+    local route whose reason is not the offload threshold) or a fallback."""
+    remote = [r for r in records if r.prfaas.get("route") == "remote" and r.ok]
+    fallbacks = [r for r in records if r.prfaas.get("fallback")]
+    kv_failed = [r for r in records if (r.error or "").startswith("KV_")]
+    degraded = [r for r in records if r.prfaas.get("fallback") or (
+        r.prfaas.get("route") == "local" and "threshold" not in str(r.prfaas.get("reason", "")))]
+    attempts = len(remote) + len(fallbacks) + len(kv_failed)
+    retries = sum(int(r.prfaas.get("retries") or 0) for r in records)
+    transfer_ms = [float(r.prfaas["transfer_ms"]) for r in remote if r.prfaas.get("transfer_ms") is not None]
+    prfaas_seen = sum(1 for r in records if r.prfaas)
+    return {
+        "prfaas_responses": prfaas_seen, "attempts": attempts, "remote_ok": len(remote),
+        "fallbacks": len(fallbacks), "degraded": len(degraded), "retries": retries,
+        "success_rate": len(remote) / attempts if attempts else None,
+        "retry_rate": retries / attempts if attempts else None,
+        "degrade_rate": len(degraded) / prfaas_seen if prfaas_seen else None,
+        "transfer_ms": {f"p{q}": _round(percentile(transfer_ms, q)) for q in (50, 99)},
+        "kv_bytes": sum(int(r.prfaas.get("kv_bytes") or 0) for r in remote),
+        "kv_ids": [r.prfaas["kv_id"] for r in records if r.prfaas.get("kv_id")],
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)

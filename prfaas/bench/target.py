@@ -1,0 +1,79 @@
+"""What a prfaas target tells beyond the OpenAI API: KV store contents and deletion records (``/admin/kv``) and
+the router's ``/metrics``. Against another server (vLLM, SGLang) these are absent and the report says so."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+
+async def kv_snapshot(url: str) -> dict[str, Any] | None:
+    """Live blobs and deletion records of every store, or None when the target has no ``/admin/kv``."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            reply = await client.get(f"{url}/admin/kv")
+    except httpx.HTTPError:
+        return None
+    if reply.status_code != 200:
+        return None
+    stores = reply.json()
+    live = sum(int((s.get("store") or {}).get("blobs", 0)) for s in stores.values())
+    records = {r["kv_id"]: r for s in stores.values() for r in s.get("records", [])}
+    return {"live_blobs": live, "records": records}
+
+
+def kv_release(before: dict[str, Any] | None, after: dict[str, Any] | None, kv_ids: list[str],
+               within_s: float) -> dict[str, Any]:
+    """Did every KV blob of this cell end by release, within ``within_s`` of its creation, leaving no live blob?"""
+    if before is None or after is None:
+        return {"available": False}
+    ended = [r for kv_id, r in after["records"].items() if kv_id not in before["records"]]
+    reasons: dict[str, int] = {}
+    for r in ended:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    late = [r for r in ended if r["reason"] == "released" and (r["deleted_ms"] - r["created_ms"]) > within_s * 1e3]
+    missing = [k for k in kv_ids if k not in after["records"]]
+    lifetimes = sorted(r["deleted_ms"] - r["created_ms"] for r in ended if r["reason"] == "released")
+    return {
+        "available": True, "ended": len(ended), "reasons": reasons, "late": len(late),
+        "not_ended": len(missing), "live_after": after["live_blobs"],
+        "release_ms_max": lifetimes[-1] if lifetimes else None,
+        "eviction_rate": reasons.get("evicted", 0) / len(ended) if ended else None,
+        "on_time": not late and not missing and after["live_blobs"] == 0
+        and all(reason == "released" for reason in reasons),
+    }
+
+
+async def settle(url: str, within_s: float) -> dict[str, Any] | None:
+    """Wait (bounded by ``within_s``) until no blob is live, then snapshot."""
+    deadline = time.monotonic() + within_s
+    while True:
+        snap = await kv_snapshot(url)
+        if snap is None or snap["live_blobs"] == 0 or time.monotonic() > deadline:
+            return snap
+        await asyncio.sleep(0.25)
+
+
+async def metrics_text(url: str) -> str:
+    """The router's Prometheus text ('' when absent)."""
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            reply = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return ""
+    return reply.text if reply.status_code == 200 else ""
+
+
+def metric_sum(text: str, name: str) -> float:
+    """Sum of every sample of ``name`` (all label sets) in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (line[len(name):len(name) + 1] in ("{", " ")):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return total
