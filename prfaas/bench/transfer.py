@@ -50,12 +50,13 @@ def make_frames(nbytes: int, chunk_bytes: int) -> tuple[str, list[bytes], int]:
     return writer.header.kv_id, frames, sum(len(f) for f in frames[1:-1]) - (len(frames) - 2) * CHUNK_HEAD_SIZE
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    """A throw-away P-256 certificate for 127.0.0.1 (needs the ``openssl`` command)."""
+def self_signed(directory: Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Path, Path]:
+    """A throw-away P-256 certificate for ``ips`` (needs the ``openssl`` command)."""
     cert, key = directory / "relay.pem", directory / "relay.key"
+    san = ",".join(f"IP:{ip}" for ip in ips)
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={ips[0]}",
+                    "-addext", f"subjectAltName={san}"], check=True, capture_output=True)
     return cert, key
 
 

@@ -1,0 +1,264 @@
+"""KV transport goodput, one run, same path: prfaas vs iperf3 vs a plain single-socket Python copy vs Mooncake.
+
+    .venv/bin/python benchmarks/transport.py [--size 512MiB] [--size-1g 256MiB] [--repeat 3] [--paths all]
+        [--out benchmarks/results/transport.json]
+
+Paths: ``loopback`` (127.0.0.1), ``veth-10gbit`` and ``veth-1gbit`` (two network namespaces joined by a veth
+pair, ``tbf`` on both ends; skipped with the reason when namespaces cannot be made). On each path the receiver
+runs on the client side (namespace a) and the sender/server on the other (namespace b):
+  iperf3 -P N           the wire's ceiling (Debian's iperf3, from scripts/install-system-deps.sh)
+  python copy           ``sendall`` of a memoryview in 4 MiB slices → ``recv_into`` a preallocated bytearray
+  prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull into a fresh BlobReader (every chunk
+                        verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
+  mooncake              Mooncake Transfer Engine's TCP transport (loopback; its own venv, made here)
+Every figure is the best of ``--repeat`` runs, payload Gbit/s; "vs iperf3" divides by iperf3 with the same number
+of streams (python copy and mooncake by iperf3 -P 1). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = str(ROOT / ".venv" / "bin" / "python")
+MOONCAKE_VENV = ROOT / "benchmarks" / ".venv-mooncake"
+STREAMS = (1, 2, 4)
+Wrap = Callable[[str, list[str]], list[str]]
+
+
+def parse_size(text: str) -> int:
+    sys.path.insert(0, str(ROOT))
+    from prfaas.units import parse_size as parse
+
+    return parse(text)
+
+
+@contextlib.contextmanager
+def background(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield proc
+    finally:
+        with contextlib.suppress(Exception):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def iperf3(wrap: Wrap, host: str, size: int, streams: int, repeat: int) -> float:
+    best = 0.0
+    for i in range(repeat):
+        port = 15201 + i
+        with background(wrap("b", ["iperf3", "-s", "-1", "-p", str(port)])):
+            time.sleep(0.3)
+            out = subprocess.run(wrap("a", ["iperf3", "-c", host, "-p", str(port), "-n", str(size), "-P",
+                                            str(streams), "-J"]), capture_output=True, text=True, timeout=300)
+        best = max(best, json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
+    return best
+
+
+def python_copy(wrap: Wrap, host: str, size: int, repeat: int) -> float:
+    best = 0.0
+    for i in range(repeat):
+        port = 15301 + i
+        with background(wrap("b", [PY, __file__, "plain-send", "0.0.0.0", str(port), str(size)])) as sender:
+            assert sender.stdout is not None
+            sender.stdout.readline()  # listening
+            out = subprocess.run(wrap("a", [PY, __file__, "plain-recv", host, str(port), str(size)]),
+                                 capture_output=True, text=True, timeout=300, check=True)
+        best = max(best, size * 8 / float(out.stdout.strip().splitlines()[-1]) / 1e9)
+    return best
+
+
+def prfaas(wrap: Wrap, host: str, size: int, streams: int, repeat: int,
+           tls: tuple[Path, Path] | None) -> dict[str, Any]:
+    argv = [PY, __file__, "relay", "0.0.0.0", "15401"] + ([str(tls[0]), str(tls[1])] if tls else [])
+    with background(wrap("b", argv)) as relay:
+        assert relay.stdout is not None
+        relay.stdout.readline()  # listening
+        cmd = [PY, "-m", "prfaas", "bench", "transfer", "--target", f"{host}:15401", "--size", str(size),
+               "--streams", str(streams), "--repeat", str(repeat), "--json"] + (["--tls", "--ca", str(tls[0])]
+                                                                                if tls else [])
+        out = subprocess.run(wrap("a", cmd), capture_output=True, text=True, timeout=600, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"prfaas bench transfer failed: {out.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def mooncake(size: int, repeat: int) -> float | str:
+    py = MOONCAKE_VENV / "bin" / "python"
+    if not py.exists():
+        made = subprocess.run([sys.executable, "-m", "venv", str(MOONCAKE_VENV)], capture_output=True)
+        got = subprocess.run([str(py), "-m", "pip", "install", "-q", "mooncake-transfer-engine-non-cuda"],
+                             capture_output=True, text=True) if made.returncode == 0 else made
+        if got.returncode != 0:
+            return f"mooncake did not install: {str(got.stderr)[-300:]}"
+    peer = str(ROOT / "benchmarks" / "mooncake_peer.py")
+    with background([str(py), peer, "server", "127.0.0.1", str(size)]) as server:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        if not line:
+            return f"mooncake server failed: {server.stderr.read()[-300:] if server.stderr else ''}"
+        info = json.loads(line)
+        out = subprocess.run([str(py), peer, "client", "127.0.0.1", info["segment"], str(info["addr"]), str(size),
+                              str(repeat)], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return f"mooncake client failed: {out.stderr[-300:]}"
+    return size * 8 / min(json.loads(out.stdout.strip().splitlines()[-1])["seconds"]) / 1e9
+
+
+def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs: tuple[Path, Path]
+                 ) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    ceiling = {n: iperf3(wrap, host, size, n, repeat) for n in STREAMS}
+    for n in STREAMS:
+        rows.append({"path": name, "tool": "iperf3", "streams": n, "gbps": ceiling[n], "vs_iperf3": 1.0})
+    copy = python_copy(wrap, host, size, repeat)
+    rows.append({"path": name, "tool": "python copy", "streams": 1, "gbps": copy, "vs_iperf3": copy / ceiling[1]})
+    for tls in (None, certs):
+        for n in STREAMS:
+            got = prfaas(wrap, host, size, n, repeat, tls)
+            rows.append({"path": name, "tool": "prfaas tls" if tls else "prfaas", "streams": n, "gbps": got["gbps"],
+                         "vs_iperf3": got["gbps"] / ceiling[n], "push_gbps": got["push_gbps"],
+                         "median_gbps": got["median_gbps"]})
+            print(f"  {rows[-1]['tool']:<12} {n}  {got['gbps']:.2f} Gbit/s", flush=True)
+    if name == "loopback":
+        mc = mooncake(size, repeat)
+        rows.append({"path": name, "tool": "mooncake tcp", "streams": 1,
+                     "gbps": mc if isinstance(mc, float) else None,
+                     "vs_iperf3": mc / ceiling[1] if isinstance(mc, float) else None,
+                     "note": "" if isinstance(mc, float) else mc})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| path | tool | streams | Gbit/s | vs iperf3 | push Gbit/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        gbps = "–" if r.get("gbps") is None else f"{r['gbps']:.2f}"
+        ratio = "–" if r.get("vs_iperf3") is None else f"{r['vs_iperf3']:.0%}"
+        push = f"{r['push_gbps']:.2f}" if "push_gbps" in r else ""
+        lines.append(f"| {r['path']} | {r['tool']} | {r['streams']} | {gbps} | {ratio} | {push} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="512MiB")
+    ap.add_argument("--size-1g", default="256MiB", help="size on the 1 Gbit path (it is 10× slower)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--paths", default="loopback,veth-10gbit,veth-1gbit")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "transport.json"))
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    reason = netns.available()
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, str(ROOT))
+        from prfaas.bench.transfer import self_signed
+
+        certs = self_signed(Path(tmp), ("127.0.0.1", netns.ADDR["b"]))
+        for path in args.paths.split(","):
+            print(f"{path} …", flush=True)
+            if path == "loopback":
+                rows += measure_path(path, lambda side, argv: argv, "127.0.0.1", parse_size(args.size),
+                                     args.repeat, certs)
+                continue
+            if reason:
+                skipped[path] = reason
+                continue
+            rate = path.split("-")[1]
+            size = parse_size(args.size_1g if rate == "1gbit" else args.size)
+            with netns.veth_pair(rate, "256kb" if rate == "1gbit" else "4mb") as pair:
+                rows += measure_path(path, pair.cmd, netns.ADDR["b"], size, args.repeat, certs)
+    out = {"rows": rows, "skipped": skipped, "size": args.size, "size_1g": args.size_1g, "repeat": args.repeat,
+           "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
+                    "loadavg": os.getloadavg()}, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(table(rows))
+    for path, why in skipped.items():
+        print(f"{path}: skipped ({why})")
+
+
+# -- helper roles, run as separate processes (possibly inside a namespace) ----------------------------------------
+
+def plain_send(host: str, port: int, size: int) -> None:
+    import socket
+
+    srv = socket.create_server((host, port))
+    print("listening", flush=True)
+    conn, _ = srv.accept()
+    view = memoryview(bytearray(4 << 20))
+    left = size
+    while left:
+        n = min(left, len(view))
+        conn.sendall(view[:n])
+        left -= n
+    conn.close()
+
+
+def plain_recv(host: str, port: int, size: int) -> None:
+    import socket
+
+    buf = memoryview(bytearray(size))
+    sock = socket.create_connection((host, port))
+    start, got = time.perf_counter(), 0
+    while got < size:
+        n = sock.recv_into(buf[got:])
+        if n == 0:
+            raise SystemExit("sender closed early")
+        got += n
+    print(time.perf_counter() - start)
+
+
+def relay(host: str, port: int, cert: str | None, key: str | None) -> None:
+    import asyncio
+    import threading
+
+    sys.path.insert(0, str(ROOT))
+    from prfaas.bench.transfer import server_context
+    from prfaas.store import BlobStore
+    from prfaas.transfer import TransferServer
+
+    async def serve() -> None:
+        server = TransferServer(BlobStore(8 << 30, 300), host=host, port=port,
+                                ssl=server_context(Path(cert), Path(key)) if cert and key else None)
+        await server.start()
+        print("listening", flush=True)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=lambda: (sys.stdin.read(), loop.call_soon_threadsafe(done.set)), daemon=True).start()
+        await done.wait()
+        await server.close()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("plain-send", "plain-recv", "relay"):
+        role, rest = sys.argv[1], sys.argv[2:]
+        if role == "relay":
+            relay(rest[0], int(rest[1]), rest[2] if len(rest) > 2 else None, rest[3] if len(rest) > 3 else None)
+        else:
+            (plain_send if role == "plain-send" else plain_recv)(rest[0], int(rest[1]), int(rest[2]))
+    else:
+        main()
