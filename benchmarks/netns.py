@@ -48,7 +48,7 @@ def veth_pair(rate: str | None, burst: str | None = None) -> Iterator[Pair]:
     tag = f"pf{os.getpid() % 100000}"
     names = {"a": f"{tag}a", "b": f"{tag}b"}
     try:
-        for side, ns in names.items():
+        for ns in names.values():
             _run("ip", "netns", "add", ns)
         _run("ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
         for side, ns in names.items():
