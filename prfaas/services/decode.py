@@ -21,6 +21,7 @@ from prfaas.obs import metrics
 from prfaas.services.runner import EngineRunner
 from prfaas.services.textstream import TextStream
 from prfaas.transfer import pull, release
+from prfaas.transfer import stats as transfer_stats
 
 CREATION_GRACE_S = 2.0  # relay mode: the header may still be on its way to the relay
 
@@ -93,7 +94,8 @@ class DecodeService:
             reader = BlobReader()
             try:
                 kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
-                                retries=self.config.kv_retry_budget)
+                                retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
+                                limit=transfer_stats.process_limit(self.config.max_inflight_kv))
                 metrics.TRANSFER_BYTES.inc(kv.nbytes)
                 return kv
             except KVNotFound:

@@ -184,3 +184,15 @@ async def maybe_slot(limit: InflightLimit | None) -> AsyncIterator[None]:
     else:
         async with limit.slot():
             yield
+
+
+_LIMITS: dict[tuple[int, int], InflightLimit] = {}
+
+
+def process_limit(limit: int) -> InflightLimit:
+    """This process's ``max_inflight_kv`` bound for the running event loop (made on first use)."""
+    key = (id(asyncio.get_running_loop()), limit)
+    if key not in _LIMITS:
+        _LIMITS.clear()  # one loop per process in the services; an old loop's limit is useless
+        _LIMITS[key] = InflightLimit(limit)
+    return _LIMITS[key]
