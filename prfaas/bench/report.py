@@ -27,7 +27,8 @@ def row(cell: dict[str, Any]) -> list[str]:
     if cell.get("skipped"):
         return [cell["key"], *["–"] * (len(COLUMNS) - 2), f"skipped: {cell['skipped']}"]
     m, t = cell["metrics"], cell["metrics"]["transfer"]
-    verdict = "PASS" if cell["verdict"]["pass"] else "FAIL: " + ", ".join(cell["verdict"]["failed"])
+    v = cell["verdict"]
+    verdict = "reference" if v.get("reference") else "PASS" if v["pass"] else "FAIL: " + ", ".join(v["failed"])
     return [cell["key"], str(m["requests"]), _fmt(m["success_rate"], True), _fmt(m["ttft_ms"]["p50"]),
             _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["p50"]), _fmt(m["itl_ms"]["p99"]),
             _fmt(m["e2e_ms"]["p99"]), _fmt(m["output_tokens_per_s"]), _fmt(m["goodput_rps"]),
