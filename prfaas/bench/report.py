@@ -45,7 +45,8 @@ def markdown(results: dict[str, Any]) -> str:
     meta = results["meta"]
     out = [f"# prfaas acceptance report: {meta['target']}", "",
            f"Started {meta['started']}; matrix {meta['matrix_source']}; network control: {meta['network_control']}; "
-           f"baseline: {meta['baseline'] or 'none (absolute TTFT P99 limit)'}. "
+           f"baseline: {meta['baseline'] or 'none (absolute TTFT P99 limit)'}; model {meta.get('model') or '?'}; "
+           f"load average at the end {meta.get('loadavg_1m_at_end', '?')} on {meta.get('cpus', '?')} CPUs. "
            f"Verdict: **{'PASS' if results['pass'] else 'FAIL'}**.", "",
            "Latencies in ms; TTFT limits are the baseline × (1 + "
            f"{results['matrix']['acceptance']['ttft_overhead']}); transfer figures exclude requests that overlapped a "

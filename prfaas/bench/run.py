@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class Run:
     def _meta(self, net: NetworkControl | None) -> dict[str, Any]:
         control = "lab" if net and net.available else (net.reason if net else "not needed (normal only)")
         return {"target": self.o.target, "model": self.model, "matrix_source": self.o.matrix_source,
+                "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
                 "baseline": self.o.baseline, "network_control": control,
                 "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
