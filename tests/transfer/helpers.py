@@ -102,6 +102,7 @@ class Fault:
     reset: bool = False
     flip_at: int | None = None  # XOR one byte at this offset
     stall_after: int | None = None  # forward nothing more after this many bytes (until the client gives up)
+    delay_s: float = 0.0  # wait this long before forwarding each piece (a slow, jittery path)
 
 
 class FaultProxy:
@@ -162,6 +163,8 @@ async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, fault: Fau
     offset = 0
     with contextlib.suppress(OSError):
         while data := bytearray(await src.read(1 << 16)):
+            if fault is not None and fault.delay_s:
+                await asyncio.sleep(fault.delay_s)
             if fault is not None and fault.flip_at is not None and offset <= fault.flip_at < offset + len(data):
                 data[fault.flip_at - offset] ^= 0x40
             limit = None if fault is None else (fault.cut_after if fault.cut_after is not None else fault.stall_after)
