@@ -20,6 +20,7 @@ from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.obs import metrics
 from prfaas.services.runner import EngineRunner
 from prfaas.services.textstream import TextStream
+from prfaas.store.abandon import release_abandoned
 from prfaas.transfer import pull, release
 from prfaas.transfer import stats as transfer_stats
 
@@ -74,7 +75,11 @@ class DecodeService:
             queued = time.perf_counter() - started - seconds
             return {"queue_ms": queued * 1e3, "prefill_ms": seconds * 1e3}, cache, first, len(request.token_ids)
         started = time.perf_counter()
-        kv = await self._pull(request)
+        try:
+            kv = await self._pull(request)
+        except BaseException:  # failed or cancelled (the client left): this consumer gives the blob up now
+            await release_abandoned(request.kv_address, request.kv_id)
+            raise
         pulled = time.perf_counter()
         try:
             cache = await self.runner.run(self.engine.restore, kv)

@@ -2,7 +2,8 @@
 
 Lifecycle: bind sockets → load the engine (prefill, decode) → start the transfer server (when the role holds a
 store) → serve HTTP and heartbeat the router → on SIGTERM/SIGINT: deregister, let uvicorn drain open requests,
-close the transfer server, close the store (every blob left gets a ``shutdown`` deletion record).
+close the transfer server, close the store (every blob left gets a ``shutdown`` deletion record, and the audit log a
+``close`` entry). The store, its backend, audit log and metrics are ``prfaas.services.kvstore.StoreRuntime``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ from fastapi import FastAPI
 
 from prfaas.config import Config
 from prfaas.messages import InstanceInfo
-from prfaas.obs import metrics
 from prfaas.services import http
 from prfaas.services.heartbeat import Heartbeat
-from prfaas.store import BlobStore, DeletionRecord
+from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import TransferServer
 
 log = logging.getLogger("prfaas.instance")
@@ -52,8 +52,8 @@ class Instance:
         self.url = "http://{}:{}".format(*self.http_sock.getsockname()[:2])
         self.kv_sock = http.bind(options.host, options.kv_port) if with_store else None
         self.kv_address = "{}:{}".format(*self.kv_sock.getsockname()[:2]) if self.kv_sock else ""
-        self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._on_delete) \
-            if with_store else None
+        self.kv = StoreRuntime(config, options.instance_id) if with_store else None
+        self.store = self.kv.store if self.kv else None
         self.fingerprint: dict[str, Any] = {}
         self.model, self.max_seq_len = options.model, 0
         self.load: Callable[[], dict[str, int]] = lambda: {}
@@ -79,9 +79,13 @@ class Instance:
 
         @self.app.get("/stats")
         async def stats() -> dict[str, Any]:
-            if self.store is None:
+            if self.kv is None:
                 return {"store": None, "records": []}
-            return {"store": self.store.stats().to_dict(), "records": [r.to_dict() for r in self.store.records]}
+            return self.kv.stats()
+
+        @self.app.get("/debug/store")
+        async def debug_store() -> dict[str, Any]:
+            return self.kv.debug() if self.kv else {"backend": None, "blobs": []}
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -101,32 +105,27 @@ class Instance:
                 await asyncio.gather(sweeper, return_exceptions=True)
             if server:
                 await server.close()
-            if self.store:
-                left = self.store.close()
+            if self.kv:
+                left = self.kv.close()
                 log.info("store closed: %d blobs ended at shutdown", len(left))
 
     async def _start_transfer(self) -> TransferServer | None:
-        if self.store is None or self.kv_sock is None:
+        if self.kv is None or self.kv_sock is None:
             return None
         host, port = self.kv_sock.getsockname()[:2]
         self.kv_sock.close()  # the transfer server binds the same port itself
-        server = TransferServer(self.store, host=host, port=port)
+        server = self.kv.server(host, port)
         await server.start()
         return server
 
     async def _sweep(self) -> None:
-        assert self.store is not None
+        assert self.kv is not None
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
-            self.store.sweep()
+            self.kv.sweep()
 
     @staticmethod
     def _refused(reason: str) -> None:
         """The router will not pair us (another model): say why and stop, rather than idle unregistered."""
         log.error("the router refused this instance and it stops: %s", reason)
         os.kill(os.getpid(), signal.SIGTERM)
-
-    @staticmethod
-    def _on_delete(record: DeletionRecord) -> None:
-        metrics.KV_BLOBS.labels(reason=record.reason).inc()
-
