@@ -45,6 +45,9 @@ class StoreRuntime:
 
     def sweep(self) -> None:
         self.store.sweep()
+        self._gauges()
+
+    def _gauges(self) -> None:
         stats = self.store.stats()
         metrics.STORE_LIVE_BLOBS.labels(state="writing").set(stats.writing)
         metrics.STORE_LIVE_BLOBS.labels(state="ready").set(stats.ready)
@@ -79,6 +82,7 @@ class StoreRuntime:
         metrics.STORE_ACCESSES.labels(action=record.action, outcome=record.outcome).inc()
         if self.audit:
             self.audit.access(record)
+        self._gauges()
 
 
 def _backend(config: Config, instance_id: str) -> FrameBackend:
