@@ -44,7 +44,7 @@ class Acceptance:
     transfer_success: float = 0.999
     retry_rate: float = 0.01
     degrade_rate: float = 0.01
-    release_within_s: float = 10.0
+    release_within_s: float = 60.0  # half the default TTL: a blob held longer risks expiring instead
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ class Run:
         self.o = options
         self.epoch = time.perf_counter()
         self.model = options.model
+        self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     async def execute(self) -> dict[str, Any]:
         o = self.o
@@ -75,7 +76,7 @@ class Run:
         return {"target": self.o.target, "model": self.model, "matrix_source": self.o.matrix_source,
                 "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
                 "baseline": self.o.baseline, "network_control": control,
-                "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+                "started": self.started}
 
     async def _baseline(self) -> list[dict[str, Any]]:
         source = self.o.baseline
