@@ -45,6 +45,7 @@ class Run:
         self.o = options
         self.epoch = time.perf_counter()
         self.model = options.model
+        self.sampler: Sampler | None = None
         self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
     async def execute(self) -> dict[str, Any]:
@@ -53,7 +54,7 @@ class Run:
         baseline_cells = await self._baseline()
         by_load = {c["load_key"]: c["metrics"] for c in baseline_cells if not c.get("skipped")}
         net = NetworkControl(o.matrix.network) if any(n != "normal" for n in o.matrix.networks) else None
-        sampler = Sampler(self.epoch)
+        sampler = self.sampler = Sampler(self.epoch)
         sampler.start()
         cells: list[dict[str, Any]] = []
         try:
@@ -97,6 +98,7 @@ class Run:
         m, acceptance = self.o.matrix, self.o.matrix.acceptance
         link = await asyncio.to_thread(net.apply, cell.network) if net else None
         before = await prfaas_target.kv_snapshot(url)
+        counters = await prfaas_target.router_counters(url)
         start = time.perf_counter() - self.epoch
         cut = asyncio.create_task(net.cut_during(self.epoch)) if net and cell.network == "cut" else None
         records = await run_cell(url, self.model, cell, m, self.epoch, self.o.seed, self._ticker(label or cell.key))
@@ -106,8 +108,10 @@ class Run:
         ttft_goal = (baseline["ttft_ms"]["p99"] or 0) * (1 + acceptance.ttft_overhead) / 1e3 if baseline \
             else acceptance.ttft_p99_ms / 1e3
         metrics = summarize(records, wall, window, ttft_goal)
-        metrics["kv"] = prfaas_target.kv_release(before, after, metrics["transfer"].pop("kv_ids"),
-                                                 acceptance.release_within_s)
+        kv_ids = metrics["transfer"].pop("kv_ids") + (metrics["transfer_in_fault"] or {}).pop("kv_ids", [])
+        metrics["kv"] = prfaas_target.kv_release(before, after, kv_ids, acceptance.release_within_s)
+        metrics["router"] = prfaas_target.delta(counters, await prfaas_target.router_counters(url))
+        metrics["resources"] = self._resources(start, start + wall)
         verdict = {"pass": True, "failed": [], "checks": [], "reference": True} if label == "baseline" \
             else judge(metrics, acceptance, baseline)
         self._say(f"{label or cell.key}: {metrics['ok']}/{metrics['requests']} ok, TTFT P50 "
@@ -116,6 +120,15 @@ class Run:
                 "link": link.to_json() if link else None, "span": [round(start, 2), round(start + wall, 2)],
                 "fault_window": [round(w, 2) for w in window] if window else None, "metrics": metrics,
                 "verdict": verdict, "records": [_compact(r) for r in records]}
+
+    def _resources(self, start: float, end: float) -> dict[str, float | None]:
+        samples = [s for s in (self.sampler.samples if self.sampler else []) if start <= s["t"] <= end + 1]
+        cpu = [s["cpu_percent"] for s in samples]
+        wan = [s["wan_gbps"] for s in samples if "wan_gbps" in s]
+        return {"cpu_percent_mean": round(sum(cpu) / len(cpu), 1) if cpu else None,
+                "mem_used_mb_max": max((s["mem_used_mb"] for s in samples), default=None),
+                "wan_gbps_mean": round(sum(wan) / len(wan), 4) if wan else None,
+                "wan_gbps_max": max(wan, default=None)}
 
     def _ticker(self, label: str) -> Any:
         if not self.o.progress or not sys.stderr.isatty():

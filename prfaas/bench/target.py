@@ -77,3 +77,17 @@ def metric_sum(text: str, name: str) -> float:
             except ValueError:
                 continue
     return total
+
+
+ROUTER_COUNTERS = ("prfaas_router_requests_total", "prfaas_router_fallbacks_total", "prfaas_router_errors_total",
+                   "prfaas_router_rate_limited_total", "prfaas_transfer_retries_total", "prfaas_transfer_bytes_total")
+
+
+async def router_counters(url: str) -> dict[str, float]:
+    """The router's counters that a cell's report shows as differences (empty against a non-prfaas target)."""
+    text = await metrics_text(url)
+    return {name: metric_sum(text, name) for name in ROUTER_COUNTERS} if text else {}
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before.get(name, 0.0), 3) for name in after}

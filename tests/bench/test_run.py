@@ -36,6 +36,8 @@ def test_bench_run_against_a_tiny_deployment_writes_a_full_report(tmp_path: Path
         assert m["transfer"]["prfaas_responses"] == 3
         assert all(r["output_tokens"] >= 1 and r["ttft_s"] is not None for r in cell["records"])
         assert m["kv"]["available"] and m["kv"]["live_after"] == 0
+        assert m["router"]["prfaas_router_requests_total"] == 3  # the router's own count, from /metrics
+        assert set(m["resources"]) >= {"cpu_percent_mean", "wan_gbps_mean"}
         assert {c["name"] for c in cell["verdict"]["checks"]} >= {"ttft_p50_ms", "ttft_p99_ms", "success_rate"}
     assert (out / "report.md").exists() and (out / "report.html").exists()
     assert ("PASS" in done.stdout) == (done.returncode == 0)
