@@ -50,6 +50,8 @@ class Config:
     fallback_local_prefill: bool = True
     decode_queue_limit: int = 16
     decode_queue_timeout_ms: int = 10000
+    decode_max_batch: int = 32
+    prefill_chunk_tokens: int = 512
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 3000
     store_budget_mb: int = 4096
@@ -77,6 +79,8 @@ class Config:
              "heartbeat_timeout_ms must exceed heartbeat_interval_ms > 0"),
             (self.store_budget_mb >= 1, "store_budget_mb must be at least 1"),
             (self.decode_queue_timeout_ms >= 0, "decode_queue_timeout_ms must be ≥ 0"),
+            (1 <= self.decode_max_batch <= 1024, "decode_max_batch must be within 1–1024"),
+            (self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens must be ≥ 0 (0: no chunking)"),
             (self.rate_limit_qps > 0, "rate_limit_qps must be positive"),
             (1 <= self.transfer_streams <= 16, "transfer_streams must be within 1–16"),
             (self.serialization == "msgpack", "serialization: only msgpack is implemented"),

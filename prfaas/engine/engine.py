@@ -88,6 +88,20 @@ class Engine:
                 hook.remove()
         return cache, pick_token(logits, sampling, step=step), time.perf_counter() - started
 
+    def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
+                       step: int = 0) -> Iterator[tuple[Any, int, float] | None]:
+        """Prefill ``chunk`` tokens per forward pass, yielding ``None`` between chunks (so a scheduler can run
+        decode steps in between) and finally ``(cache, next_token, seconds)``."""
+        ids = self._check_prompt(token_ids)
+        cache, seconds = self.new_cache(), 0.0
+        for start in range(0, len(ids), chunk or len(ids)):
+            began = time.perf_counter()
+            logits = self._forward(ids[start:start + (chunk or len(ids))], cache, start=start)
+            seconds += time.perf_counter() - began
+            if start + (chunk or len(ids)) < len(ids):
+                yield None
+        yield cache, pick_token(logits, sampling, step=step), seconds
+
     def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16,
                sampling: SamplingParams | None = None) -> list[int]:
         """Tokens that follow ``next_token`` (greedy by default); stops after an EOS (included) or
@@ -158,6 +172,19 @@ class Engine:
         if min(ids) < 0 or max(ids) >= vocab:
             raise InvalidRequest(f"token ids must be in [0, {vocab})")
         return ids
+
+    def forward_rows(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One decode step for a batch: one token per row at its own position; float32 logits [rows, vocab]."""
+        kwargs: dict[str, Any] = {
+            "input_ids": torch.tensor(tokens, device=self.device).unsqueeze(1),
+            "position_ids": torch.tensor(positions, device=self.device).unsqueeze(1),
+            "attention_mask": mask, "cache": cache, "use_cache": True,
+        }
+        if self._logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        with torch.inference_mode():
+            out = self.model(**kwargs)
+        return out.logits[:, -1].float()
 
     def _forward(self, ids: list[int], cache: Any, start: int) -> torch.Tensor:
         n = len(ids)

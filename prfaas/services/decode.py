@@ -1,5 +1,6 @@
 """The decode role (datacenter B): pulls KV by ``kv_id``, verifies and restores it, acknowledges release, then
-generates and streams tokens. Short prompts are prefilled here too (the local route).
+decodes in a continuous batch with every other running sequence. Short prompts are prefilled here too (the local
+route), in chunks interleaved with decode steps.
 
 Events (NDJSON to the router): ``token`` {text, token}, the first one with ``stages``; ``done`` {finish_reason,
 completion_tokens}; or ``error`` {code, message}.
@@ -8,9 +9,8 @@ completion_tokens}; or ``error`` {code, message}.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from prfaas.config import Config
@@ -18,7 +18,7 @@ from prfaas.errors import InvalidRequest, KVNotFound, PrfaasError
 from prfaas.kv import BlobReader, KVState
 from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.obs import metrics
-from prfaas.services.runner import EngineRunner
+from prfaas.services.batcher import Batcher, Prepared, Sequence
 from prfaas.services.textstream import TextStream
 from prfaas.store.abandon import release_abandoned
 from prfaas.transfer import pull, release
@@ -31,7 +31,7 @@ class DecodeService:
     def __init__(self, engine: Any, config: Config) -> None:
         self.engine = engine
         self.config = config
-        self.runner = EngineRunner()
+        self.batcher = Batcher(engine, config.decode_max_batch)
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
 
@@ -57,48 +57,90 @@ class DecodeService:
         need = self.fixed_bytes + self.bytes_per_token * (len(request.token_ids) + request.max_tokens)
         self.reserved_kv_bytes += need
         try:
-            sampling = SamplingParams.from_json(request.sampling)
-            stages, cache, first, position = await self._prepare(request, sampling)
-            async for event in self._stream(request, sampling, cache, first, position, stages):
+            async for event in self._generate(request):
                 yield event
         except PrfaasError as exc:
             yield {"event": "error", **exc.to_wire()}
         finally:
             self.reserved_kv_bytes -= need
 
-    async def _prepare(self, request: GenerateRequest,
-                       sampling: SamplingParams) -> tuple[dict[str, float], Any, int, int]:
-        if not request.kv_id:
-            started = time.perf_counter()
-            cache, first, seconds = await self.runner.run(self.engine.prefill_cache, request.token_ids, None,
-                                                          sampling, request.step_offset)
-            queued = time.perf_counter() - started - seconds
-            return {"queue_ms": queued * 1e3, "prefill_ms": seconds * 1e3}, cache, first, len(request.token_ids)
-        started = time.perf_counter()
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        sampling = SamplingParams.from_json(request.sampling)
+        arrived = time.perf_counter()
+        stages: dict[str, float] = {}
+        if request.kv_id:
+            try:
+                kv = await self._pull(request)
+            except BaseException:  # failed or cancelled (the client left): this consumer gives the blob up now
+                await release_abandoned(request.kv_address, request.kv_id)
+                raise
+            stages["transfer_ms"] = (time.perf_counter() - arrived) * 1e3
+            metrics.TRANSFER_SECONDS.observe(stages["transfer_ms"] / 1e3)
+            prepare, step = (lambda: self._restore(kv)), 0
+        else:
+            prepare, step = (lambda: self._prefill(request, sampling, arrived)), request.step_offset
+        seq = Sequence(seq_id=request.request_id, prepare=prepare, max_new=request.max_tokens, sampling=sampling,
+                       step=step, eos=self.engine.eos_token_ids, loop=asyncio.get_running_loop())
+        self.batcher.submit(seq)
+        released = {"done": not request.kv_id}
         try:
-            kv = await self._pull(request)
-        except BaseException:  # failed or cancelled (the client left): this consumer gives the blob up now
-            await release_abandoned(request.kv_address, request.kv_id)
-            raise
-        pulled = time.perf_counter()
-        try:
-            cache = await self.runner.run(self.engine.restore, kv)
+            async for event in self._events(request, seq, stages, released):
+                yield event
         finally:
-            await release(request.kv_address, request.kv_id, timeout_s=5.0)
-        restored = time.perf_counter()
-        metrics.TRANSFER_SECONDS.observe(pulled - started)
-        stages = {"transfer_ms": (pulled - started) * 1e3, "restore_ms": (restored - pulled) * 1e3}
+            seq.cancelled.set()  # done, stopped or abandoned: the slot is freed at the next step
+            if not released["done"]:  # restore failed or the client left first: nobody will consume the blob
+                await release_abandoned(request.kv_address, request.kv_id)
+
+    async def _events(self, request: GenerateRequest, seq: Sequence, stages: dict[str, float],
+                      released: dict[str, bool]) -> AsyncIterator[dict[str, Any]]:
+        text, count, reason = TextStream(self.engine.tokenizer, request.stop), 0, "length"
+        while True:
+            kind, *rest = await seq.out.get()
+            if kind == "error":
+                raise rest[0]
+            if kind == "end":
+                reason = "stop" if rest[0] == "stop" else "length"
+                break
+            token, extra = rest
+            event: dict[str, Any] = {"event": "token", "token": token}
+            if count == 0:
+                if request.kv_id:  # the KV is in our model cache now: the store may delete it
+                    released["done"] = True
+                    await release(request.kv_address, request.kv_id, timeout_s=5.0)
+                event["stages"] = {**stages, **extra}
+            count += 1
+            event["text"] = text.feed(token)
+            yield event
+            if text.stopped:
+                reason = "stop"
+                break
+        yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": text.flush()}
+
+    def _restore(self, kv: KVState) -> Iterator[Prepared | None]:
+        started = time.perf_counter()
+        cache = self.engine.restore(kv)
         if kv.first_token is None:
             raise InvalidRequest("the KV blob carries no first token")
-        return stages, cache, kv.first_token, kv.seq_len
+        yield cache, kv.first_token, kv.seq_len, {"restore_ms": (time.perf_counter() - started) * 1e3}
+
+    def _prefill(self, request: GenerateRequest, sampling: SamplingParams,
+                 arrived: float) -> Iterator[Prepared | None]:
+        started = time.perf_counter()
+        for result in self.engine.prefill_chunks(request.token_ids, self.config.prefill_chunk_tokens, sampling,
+                                                 request.step_offset):
+            if result is None:
+                yield None
+                continue
+            cache, first, seconds = result
+            stages = {"queue_ms": (started - arrived) * 1e3, "prefill_ms": seconds * 1e3}
+            yield cache, first, len(request.token_ids), stages
 
     async def _pull(self, request: GenerateRequest) -> KVState:
         deadline = time.monotonic() + CREATION_GRACE_S
         timeout_s = self.config.kv_transfer_timeout_ms / 1e3 + 10.0
         while True:
-            reader = BlobReader()
             try:
-                kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
+                kv = await pull(request.kv_address, request.kv_id, BlobReader(), timeout_s=timeout_s,
                                 retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
                                 limit=transfer_stats.process_limit(self.config.max_inflight_kv))
                 metrics.TRANSFER_BYTES.inc(kv.nbytes)
@@ -108,44 +150,15 @@ class DecodeService:
                     raise
                 await asyncio.sleep(0.01)
 
-    async def _stream(self, request: GenerateRequest, sampling: SamplingParams, cache: Any, first: int,
-                      position: int, stages: dict[str, float]) -> AsyncIterator[dict[str, Any]]:
-        text = TextStream(self.engine.tokenizer, request.stop)
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
-        halt = threading.Event()
-        loop = asyncio.get_running_loop()
-
-        def produce() -> None:
-            try:
-                for token in self.engine.stream(cache, first, position, request.max_tokens - 1, sampling,
-                                                request.step_offset + 1):
-                    loop.call_soon_threadsafe(queue.put_nowait, token)
-                    if halt.is_set():
-                        break
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        producer = asyncio.ensure_future(self.runner.run(produce))
-        count, extra = 0, {"stages": stages}
-        token: int | None = first
-        try:
-            while token is not None:
-                count += 1
-                delta = text.feed(token)
-                yield {"event": "token", "token": token, "text": delta, **extra}
-                extra = {}
-                if text.stopped or token in self.engine.eos_token_ids:
-                    break
-                token = await queue.get()
-        finally:
-            halt.set()
-            await producer
-        reason = "stop" if text.stopped or token in self.engine.eos_token_ids else "length"
-        tail = text.flush()
-        yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": tail}
-
     def load(self) -> dict[str, int]:
         budget = self.config.store_budget_bytes
-        return {"queue_depth": self.runner.queue_depth, "free_kv_bytes": max(0, budget - self.reserved_kv_bytes),
+        try:
+            used = max(self.reserved_kv_bytes, self.batcher.batch.kv_bytes())
+        except RuntimeError:  # the engine thread was changing the batch: the reservation is a fine estimate
+            used = self.reserved_kv_bytes
+        return {"queue_depth": self.batcher.queue_depth, "free_kv_bytes": max(0, budget - used),
                 "kv_budget_bytes": budget, "kv_bytes_per_token": self.bytes_per_token,
                 "kv_fixed_bytes": self.fixed_bytes}
+
+    def close(self) -> None:
+        self.batcher.close()

@@ -28,6 +28,7 @@ from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, Sampl
 from prfaas.obs import metrics
 from prfaas.scheduler import Decision, Scheduler
 from prfaas.services.registry import Registry
+from prfaas.store.abandon import release_abandoned
 
 QUEUE_POLL_S = 0.05
 _DEAD = (httpx.TransportError,)
@@ -149,6 +150,15 @@ class Dispatcher:
         pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
                                sampling=job.sampling.to_json(), stop=job.stop, kv_id=kv_id,
                                kv_address=relay.kv_address if relay else prefill.kv_address)
+        try:
+            async for event in self._remote_stream(job, decode, prefill, body, pull):
+                yield event
+        finally:
+            if job.first_token_at is None:  # decode never restored it (failed, fell back, client left)
+                await release_abandoned(pull.kv_address, kv_id)
+
+    async def _remote_stream(self, job: Job, decode: InstanceInfo, prefill: InstanceInfo, body: PrefillRequest,
+                             pull: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         try:
             async with self.client.stream("POST", f"{prefill.url}/prefill", json=body.to_json()) as reply:
                 lines = _events(reply)
