@@ -10,11 +10,14 @@ lengths (token-id prompts, streaming, ``max_tokens`` 16, greedy):
 - ``relay`` / ``direct``: offload threshold 0, so every prompt is prefilled remotely and its KV crosses the
   data plane.
 Also ``engine``: prefill + decode inside this process (no HTTP at all), the floor. Medians of ``--repeats``.
+The three deployments run side by side and requests alternate between them, so the machine's load drift hits
+every configuration alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -54,15 +57,24 @@ def prompts(length: int, repeats: int) -> list[list[int]]:
     return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(repeats)]
 
 
-def bench_deployment(name: str, model: str, dtype: str, mode: str, threshold: int, lengths: list[int],
-                     repeats: int) -> list[dict[str, Any]]:
-    rows = []
-    with deployment(model, mode, threshold=threshold, extra=("--dtype", dtype)) as (url, _):
-        one_request(url, prompts(32, 1)[0])  # warm-up
+def bench_deployments(configs: list[tuple[str, str, int]], model: str, dtype: str, lengths: list[int],
+                      repeats: int) -> list[dict[str, Any]]:
+    """All deployments run side by side; requests alternate between them, so load drift hits all alike."""
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(deployment(model, mode, threshold=threshold,
+                                                     extra=("--dtype", dtype)))[0]
+                for name, mode, threshold in configs}
+        for url in urls.values():
+            one_request(url, prompts(32, 1)[0])  # warm-up
+        rows = []
         for n in lengths:
-            runs = [one_request(url, p) for p in prompts(n, repeats)]
-            rows.append(_summary(name, n, runs))
-            print(f"  {name} {n}: TTFT {rows[-1]['ttft_ms']:.0f} ms", flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in urls}
+            for prompt in prompts(n, repeats):
+                for name, url in urls.items():
+                    runs[name].append(one_request(url, prompt))
+            for name in urls:
+                rows.append(_summary(name, n, runs[name]))
+                print(f"  {name} {n}: TTFT {rows[-1]['ttft_ms']:.0f} ms", flush=True)
     return rows
 
 
@@ -120,8 +132,8 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = bench_engine(args.model, args.dtype, lengths, args.repeats)
     big = max(lengths) + 1
-    for name, mode, threshold in (("monolithic", "direct", big), ("relay", "relay", 0), ("direct", "direct", 0)):
-        rows += bench_deployment(name, args.model, args.dtype, mode, threshold, lengths, args.repeats)
+    configs = [("monolithic", "direct", big), ("relay", "relay", 0), ("direct", "direct", 0)]
+    rows += bench_deployments(configs, args.model, args.dtype, lengths, args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "rows": rows}, indent=2))
     print_table(rows)

@@ -97,3 +97,4 @@ class GenerateRequest(Message):
     kv_address: str = ""
     deadline_ms: int = 0
     step_offset: int = 0  # tokens already streamed by an instance that died: sampling continues at this step
+    ignore_eos: bool = False  # benchmarks: always generate max_tokens

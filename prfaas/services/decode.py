@@ -80,7 +80,8 @@ class DecodeService:
         else:
             prepare, step = (lambda: self._prefill(request, sampling, arrived)), request.step_offset
         seq = Sequence(seq_id=request.request_id, prepare=prepare, max_new=request.max_tokens, sampling=sampling,
-                       step=step, eos=self.engine.eos_token_ids, loop=asyncio.get_running_loop())
+                       step=step, eos=() if request.ignore_eos else self.engine.eos_token_ids,
+                       loop=asyncio.get_running_loop())
         self.batcher.submit(seq)
         released = {"done": not request.kv_id}
         try:

@@ -42,6 +42,7 @@ class Job:
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
+    ignore_eos: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     extension: dict[str, Any] = field(default_factory=dict)
@@ -138,7 +139,7 @@ class Dispatcher:
         """Local prefill; after a decode death, of the prompt plus what was already streamed."""
         return GenerateRequest(request_id=job.request_id, token_ids=job.token_ids + job.generated,
                                max_tokens=job.max_tokens - len(job.generated), sampling=job.sampling.to_json(),
-                               stop=job.stop, step_offset=len(job.generated))
+                               stop=job.stop, ignore_eos=job.ignore_eos, step_offset=len(job.generated))
 
     async def _remote(self, job: Job, decode: InstanceInfo, decision: Decision) -> AsyncIterator[dict[str, Any]]:
         prefill, relay = decision.prefill, decision.relay
@@ -148,7 +149,7 @@ class Dispatcher:
         body = PrefillRequest(request_id=job.request_id, kv_id=kv_id, token_ids=job.token_ids,
                               sampling=job.sampling.to_json(), push_to=relay.kv_address if relay else "")
         pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
-                               sampling=job.sampling.to_json(), stop=job.stop, kv_id=kv_id,
+                               sampling=job.sampling.to_json(), stop=job.stop, ignore_eos=job.ignore_eos, kv_id=kv_id,
                                kv_address=relay.kv_address if relay else prefill.kv_address)
         try:
             async for event in self._remote_stream(job, decode, prefill, body, pull):

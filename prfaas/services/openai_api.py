@@ -24,6 +24,7 @@ class CompletionRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
 
@@ -47,6 +48,7 @@ def parse(body: Any, chat: bool) -> CompletionRequest:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         seed=_seed(body), stop=stop, stream=bool(body.get("stream", False)),
         include_usage=bool(options.get("include_usage", False)) if isinstance(options, dict) else False,
+        ignore_eos=bool(body.get("ignore_eos", False)),
         prompt=None if chat else _prompt(body), messages=_messages(body) if chat else [])
 
 

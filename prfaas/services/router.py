@@ -94,7 +94,7 @@ class Router:
         max_tokens = req.max_tokens or min(openai_api.DEFAULT_MAX_TOKENS, room)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed if req.seed is not None else secrets.randbits(31))
-        return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop)
+        return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop, ignore_eos=req.ignore_eos)
 
     async def _collect(self, req: openai_api.CompletionRequest, rid: str, job: Job,
                        events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
