@@ -172,6 +172,12 @@ def create_app(router: Router) -> FastAPI:
     app = FastAPI(title="prfaas router", lifespan=lifespan)
     http.install_error_handlers(app)
 
+    @app.exception_handler(httpx.TransportError)
+    async def _unreachable(request: Request, exc: httpx.TransportError) -> JSONResponse:
+        metrics.ERRORS.labels(code=KVUnavailable.code).inc()
+        error = KVUnavailable(f"an instance could not be reached: {exc!r}")
+        return http.error_response(error)
+
     @app.exception_handler(json.JSONDecodeError)
     async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
         return JSONResponse(http.error_body(400, f"the body is not valid JSON: {exc}", None), status_code=400)

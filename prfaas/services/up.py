@@ -135,7 +135,13 @@ def run_up(options: UpOptions) -> None:
         deployment.wait_ready()
         print(f"prfaas is up: {deployment.url}/v1 (mode {options.mode}, model {options.model}, "
               f"{options.prefill} prefill, {options.decode} decode)", flush=True)
-        while not stop["now"] and all(c.poll() is None for c in deployment.children):
+        router, reported = deployment.children[0], set()
+        while not stop["now"] and router.poll() is None:  # a dead instance is the router's to route around
+            for child in deployment.children[1:]:
+                if child.poll() is not None and child.pid not in reported:
+                    reported.add(child.pid)
+                    print(f"a role exited (pid {child.pid}, code {child.returncode}); the router routes around "
+                          "it", flush=True)
             time.sleep(0.2)
     finally:
         deployment.stop()
