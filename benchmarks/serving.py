@@ -102,20 +102,32 @@ def _summary(name: str, n: int, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     return {"config": name, "prompt_tokens": n, "ttft_ms": med("ttft_s"), "e2e_ms": med("e2e_s"),
             "routes": sorted({str(r["route"]) for r in runs}), "kv_bytes": runs[0].get("kv_bytes"),
-            "stages": runs[len(runs) // 2].get("stages", {}), "runs": runs}
+            "stages": runs[len(runs) // 2].get("stages", {}), "runs": runs, **overheads(runs)}
+
+
+def overheads(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """What disaggregation adds, free of the prefill's own (noisy) compute time: TTFT minus the prefill's queue
+    and compute time, and the transfer time not hidden behind the forward pass (median over runs)."""
+    if not all("prefill_ms" in r.get("stages", {}) for r in runs):
+        return {"beyond_prefill_ms": None, "exposed_transfer_ms": None}
+    beyond = [r["ttft_s"] * 1e3 - r["stages"]["prefill_ms"] - r["stages"].get("queue_ms", 0.0) for r in runs]
+    exposed = [r["stages"]["transfer_ms"] - r["stages"]["prefill_ms"] - r["stages"].get("queue_ms", 0.0)
+               for r in runs if "transfer_ms" in r["stages"]]
+    return {"beyond_prefill_ms": statistics.median(beyond),
+            "exposed_transfer_ms": statistics.median(exposed) if exposed else None}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     table = Table(title=f"TTFT and end-to-end latency (ms, median; {MAX_TOKENS} output tokens)")
-    for col in ("prompt", "config", "route", "TTFT", "E2E", "TTFT vs monolithic", "KV MiB", "prefill", "transfer",
-                "restore"):
+    for col in ("prompt", "config", "route", "TTFT", "E2E", "TTFT beyond prefill", "exposed transfer", "KV MiB",
+                "prefill", "transfer", "restore"):
         table.add_column(col, justify="right")
-    base = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["config"] == "monolithic"}
     for r in sorted(rows, key=lambda r: (r["prompt_tokens"], r["config"])):
-        stages = r["stages"]
-        over = f"{(r['ttft_ms'] / base[r['prompt_tokens']] - 1) * 100:+.0f}%" if r["prompt_tokens"] in base else "-"
+        stages, extra = r["stages"], overheads(r["runs"])
         table.add_row(str(r["prompt_tokens"]), r["config"], ",".join(r["routes"]), f"{r['ttft_ms']:.0f}",
-                      f"{r['e2e_ms']:.0f}", over, f"{r['kv_bytes'] / 2**20:.1f}" if r["kv_bytes"] else "-",
+                      f"{r['e2e_ms']:.0f}", *(f"{extra[k]:.0f}" if extra[k] is not None else "-"
+                                             for k in ("beyond_prefill_ms", "exposed_transfer_ms")),
+                      f"{r['kv_bytes'] / 2**20:.1f}" if r["kv_bytes"] else "-",
                       *(f"{stages[k]:.0f}" if k in stages else "-"
                         for k in ("prefill_ms", "transfer_ms", "restore_ms")))
     Console().print(table)
@@ -128,7 +140,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,1024,4096")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="benchmarks/results/serving.json")
+    parser.add_argument("--table", metavar="JSON", help="only print the table of an earlier run")
     args = parser.parse_args()
+    if args.table:
+        print_table(json.loads(Path(args.table).read_text())["rows"])
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = bench_engine(args.model, args.dtype, lengths, args.repeats)
     big = max(lengths) + 1
