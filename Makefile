@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench fuzz clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,13 @@ test: lint unit
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/kv_codecs.py
+
+# Coverage-guided fuzzing of the wire parsers for FUZZ_SECONDS (atheris is installed here if missing; the bounded
+# hypothesis fuzzers run in `make test` anyway).
+FUZZ_SECONDS ?= 60
+fuzz: $(STAMP)
+	$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/pip install -q atheris
+	$(BIN)/python tests/security/fuzz_atheris.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

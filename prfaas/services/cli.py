@@ -22,11 +22,13 @@ def _config(path: str | None, threshold: int | None, datacenter: str | None = No
 @serve_app.command()
 def router(host: str = HOST, port: int = typer.Option(8000, "--port"),
            mode: str = typer.Option("relay", "--mode", help="relay | direct"),
-           config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD) -> None:
+           config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD,
+           insecure: bool = typer.Option(False, "--insecure", help="serve a non-loopback address without API keys "
+                                         "or TLS")) -> None:
     """The OpenAI-compatible router (datacenter B)."""
     from prfaas.services.router import run_router
 
-    run_router(_config(config, offload_threshold), host, port, mode)
+    run_router(_config(config, offload_threshold), host, port, mode, insecure=insecure)
 
 
 def _instance(role: str, router_url: str, instance_id: str, datacenter: str, model: str, dtype: str, host: str,
@@ -63,11 +65,13 @@ def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="rel
        decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
        config: str | None = CONFIG, dtype: str = typer.Option("float32", "--dtype"),
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
-                                "(`prfaas lab up` first)")) -> None:
+                                "(`prfaas lab up` first)"),
+       tls: bool = typer.Option(False, "--tls", help="mutual TLS 1.3 everywhere, with certificates made in a "
+                                "temporary directory")) -> None:
     """Run a whole deployment on this machine (each role its own process on 127.0.0.1) until SIGINT/SIGTERM."""
     from prfaas.services.up import UpOptions, run_up
 
     load_config(config)  # fail fast on a bad file, before any process starts
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
                      offload_threshold=offload_threshold, config=config, dtype=dtype,
-                     lab=lab))
+                     lab=lab, tls=tls))

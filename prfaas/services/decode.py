@@ -18,6 +18,7 @@ from prfaas.errors import InvalidRequest, KVNotFound, PrfaasError
 from prfaas.kv import BlobReader, KVState
 from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.obs import metrics
+from prfaas.security import runtime as tls_runtime
 from prfaas.services.batcher import Batcher, Prepared, Sequence
 from prfaas.services.textstream import TextStream
 from prfaas.store.abandon import release_abandoned
@@ -72,7 +73,7 @@ class DecodeService:
             try:
                 kv = await self._pull(request)
             except BaseException:  # failed or cancelled (the client left): this consumer gives the blob up now
-                await release_abandoned(request.kv_address, request.kv_id)
+                await release_abandoned(request.kv_address, request.kv_id, ssl=tls_runtime.client_ssl())
                 raise
             stages["transfer_ms"] = (time.perf_counter() - arrived) * 1e3
             metrics.TRANSFER_SECONDS.observe(stages["transfer_ms"] / 1e3)
@@ -90,7 +91,7 @@ class DecodeService:
         finally:
             seq.cancelled.set()  # done, stopped or abandoned: the slot is freed at the next step
             if not released["done"]:  # restore failed or the client left first: nobody will consume the blob
-                await release_abandoned(request.kv_address, request.kv_id)
+                await release_abandoned(request.kv_address, request.kv_id, ssl=tls_runtime.client_ssl())
 
     async def _events(self, request: GenerateRequest, seq: Sequence, stages: dict[str, float],
                       released: dict[str, bool]) -> AsyncIterator[dict[str, Any]]:
@@ -107,7 +108,8 @@ class DecodeService:
             if count == 0:
                 if request.kv_id:  # the KV is in our model cache now: the store may delete it
                     released["done"] = True
-                    await release(request.kv_address, request.kv_id, timeout_s=5.0)
+                    await release(request.kv_address, request.kv_id, timeout_s=5.0,
+                                  ssl=tls_runtime.client_ssl())
                 event["stages"] = {**stages, **extra}
             count += 1
             event["text"] = text.feed(token)
@@ -142,6 +144,7 @@ class DecodeService:
         while True:
             try:
                 kv = await pull(request.kv_address, request.kv_id, BlobReader(), timeout_s=timeout_s,
+                                ssl=tls_runtime.client_ssl(),
                                 retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
                                 limit=transfer_stats.process_limit(self.config.max_inflight_kv))
                 metrics.TRANSFER_BYTES.inc(kv.nbytes)

@@ -27,6 +27,7 @@ from prfaas.kv import Fingerprint, new_kv_id
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Decision, Scheduler
+from prfaas.security import runtime as tls_runtime
 from prfaas.services.registry import Registry
 from prfaas.store.abandon import release_abandoned
 
@@ -156,7 +157,7 @@ class Dispatcher:
                 yield event
         finally:
             if job.first_token_at is None:  # decode never restored it (failed, fell back, client left)
-                await release_abandoned(pull.kv_address, kv_id)
+                await release_abandoned(pull.kv_address, kv_id, ssl=tls_runtime.client_ssl())
 
     async def _remote_stream(self, job: Job, decode: InstanceInfo, prefill: InstanceInfo, body: PrefillRequest,
                              pull: GenerateRequest) -> AsyncIterator[dict[str, Any]]:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import httpx
 
 from prfaas.messages import InstanceInfo
+from prfaas.security import runtime as tls_runtime
 
 log = logging.getLogger("prfaas.heartbeat")
 
@@ -35,14 +36,15 @@ class Heartbeat:
             await asyncio.gather(self._task, return_exceptions=True)
         if deregister:
             try:
-                async with httpx.AsyncClient(timeout=2.0) as client:
+                async with httpx.AsyncClient(timeout=2.0, verify=tls_runtime.http_verify()) as client:
                     await client.post(f"{self.router_url}/internal/deregister",
                                       json={"instance_id": self.info().instance_id})
             except httpx.HTTPError:
                 pass
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(timeout=max(1.0, self.interval_s * 2)) as client:
+        async with httpx.AsyncClient(timeout=max(1.0, self.interval_s * 2),
+                                     verify=tls_runtime.http_verify()) as client:
             while True:
                 try:
                     reply = await client.post(f"{self.router_url}/internal/heartbeat", json=self.info().to_json())

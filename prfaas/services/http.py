@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl as ssl_module
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -68,9 +69,17 @@ def ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
 
-async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown."""
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10)
+async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awaitable[None]] | None = None,
+                ssl: ssl_module.SSLContext | None = None) -> None:
+    """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown.
+    With ``ssl`` it serves TLS only (a plaintext peer fails the handshake) and records each peer's certificate
+    for ``prfaas.security.asgi.RoleGuard``."""
+    extra: dict[str, Any] = {}
+    if ssl is not None:
+        from prfaas.security.asgi import PeerH11Protocol
+
+        extra = {"ssl_context_factory": lambda config, default: ssl, "http": PeerH11Protocol}
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, **extra)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

@@ -21,6 +21,8 @@ from fastapi import FastAPI
 
 from prfaas.config import Config
 from prfaas.messages import InstanceInfo
+from prfaas.security import guards
+from prfaas.security import runtime as tls_runtime
 from prfaas.services import http
 from prfaas.services.heartbeat import Heartbeat
 from prfaas.services.kvstore import StoreRuntime
@@ -49,7 +51,7 @@ class Instance:
         self.options = options
         self.config = config
         self.http_sock = http.bind(options.host, options.port)
-        self.url = "http://{}:{}".format(*self.http_sock.getsockname()[:2])
+        self.url = "{}://{}:{}".format(tls_runtime.scheme(), *self.http_sock.getsockname()[:2])
         self.kv_sock = http.bind(options.host, options.kv_port) if with_store else None
         self.kv_address = "{}:{}".format(*self.kv_sock.getsockname()[:2]) if self.kv_sock else ""
         self.kv = StoreRuntime(config, options.instance_id) if with_store else None
@@ -59,6 +61,7 @@ class Instance:
         self.load: Callable[[], dict[str, int]] = lambda: {}
         self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
         http.install_error_handlers(self.app)
+        guards.protect_instance(self.app, self.kv._accessed if self.kv else None)
         self._routes()
 
 
@@ -70,7 +73,7 @@ class Instance:
             "model": self.model, "max_seq_len": self.max_seq_len, **self.load()})
 
     async def run(self) -> None:
-        await http.serve(self.app, self.http_sock)
+        await http.serve(self.app, self.http_sock, ssl=tls_runtime.server_ssl())
 
     def _routes(self) -> None:
         @self.app.get("/health")

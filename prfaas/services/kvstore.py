@@ -41,7 +41,14 @@ class StoreRuntime:
         metrics.STORE_BUDGET_BYTES.set(config.store_budget_bytes)
 
     def server(self, host: str, port: int) -> TransferServer:
-        return IdentifiedTransferServer(self.store, host=host, port=port)
+        """The data-plane server; with TLS configured (``prfaas.security.runtime``) it is mutual TLS 1.3 and each
+        request is authorised by the peer's role, refusals recorded in the audit log."""
+        from prfaas.security import runtime
+        from prfaas.security.dataplane import DataPlaneGuard
+
+        ssl = runtime.server_ssl()
+        guard = DataPlaneGuard(runtime.required(), self._accessed) if ssl is not None else None
+        return IdentifiedTransferServer(self.store, host=host, port=port, ssl=ssl, authorize=guard)
 
     def sweep(self) -> None:
         self.store.sweep()

@@ -11,12 +11,14 @@ from fastapi.responses import StreamingResponse
 
 from prfaas.config import Config
 from prfaas.messages import GenerateRequest, PrefillRequest
+from prfaas.security import runtime as tls_runtime
 from prfaas.services import http
 from prfaas.services.instance import Instance, InstanceOptions
 
 
 def run_role(options: InstanceOptions, config: Config) -> None:
     http.setup_logging(options.instance_id)
+    tls_runtime.configure(config, options.role)
     instance = build(options, config)
     asyncio.run(instance.run())
 

@@ -25,6 +25,8 @@ from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasE
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Scheduler
+from prfaas.security import apikeys, guards
+from prfaas.security import runtime as tls_runtime
 from prfaas.services import http, openai_api
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
@@ -40,7 +42,7 @@ class Router:
         self.mode = mode
         self.registry = Registry(config.heartbeat_timeout_ms / 1e3)
         self.scheduler = Scheduler(config, mode)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=tls_runtime.http_verify())
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
 
     def required_roles(self) -> tuple[str, ...]:
@@ -222,10 +224,15 @@ def create_app(router: Router) -> FastAPI:
     async def kv() -> dict[str, Any]:
         return await router.stores()
 
+    guards.protect_router(app, router.config)  # API keys on /v1 and /admin; roles on /internal with TLS
     return app
 
 
-def run_router(config: Config, host: str, port: int, mode: str) -> None:
+def run_router(config: Config, host: str, port: int, mode: str, insecure: bool = False) -> None:
+    """Serve until SIGTERM. ``InvalidRequest`` (before binding) when ``host`` is not loopback and neither API keys
+    nor TLS are configured, unless ``insecure``."""
     http.setup_logging("router")
+    apikeys.check_exposure(host, config, insecure)
+    tls_runtime.configure(config, "router")
     router = Router(config, mode)
-    asyncio.run(http.serve(create_app(router), http.bind(host, port)))
+    asyncio.run(http.serve(create_app(router), http.bind(host, port), ssl=tls_runtime.server_ssl(client_certs=False)))

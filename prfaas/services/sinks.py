@@ -11,6 +11,7 @@ import ssl
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from prfaas.security import runtime as tls_runtime
 from prfaas.store import BlobStore
 from prfaas.transfer import push
 
@@ -41,13 +42,15 @@ class StoreSink:
 
 
 class PushSink:
-    """Relay mode: frames stream to the relay on one connection while the forward pass goes on."""
+    """Relay mode: frames stream to the relay on one connection while the forward pass goes on. ``tls`` None:
+    the process's own TLS settings (``prfaas.security.runtime``), plaintext when there are none."""
 
     def __init__(self, address: str, kv_id: str, header: bytes, timeout_s: float,
                  tls: ssl.SSLContext | None) -> None:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._queue.put_nowait(header)
-        self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls, timeout_s=timeout_s))
+        self._task = asyncio.create_task(push(address, kv_id, self._frames(),
+                                                        ssl=tls or tls_runtime.client_ssl(), timeout_s=timeout_s))
 
     async def _frames(self) -> AsyncIterator[bytes]:
         while frame := await self._queue.get():  # an empty frame marks the end

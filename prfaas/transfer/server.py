@@ -15,6 +15,7 @@ import contextlib
 import logging
 import socket
 import ssl as ssl_module
+from collections.abc import Callable
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
@@ -34,8 +35,9 @@ class TransferServer:
 
     def __init__(self, store: BlobStore, host: str = "127.0.0.1", port: int = 0,
                  ssl: ssl_module.SSLContext | None = None, idle_s: float = 30.0, send_timeout_s: float = 30.0,
-                 max_connections: int = 256) -> None:
+                 max_connections: int = 256, authorize: Callable[[p.Message, Conn], None] | None = None) -> None:
         self.store, self.host, self.port, self.ssl = store, host, port, ssl
+        self.authorize = authorize  # raises (KVUnauthorized) to refuse a request before it touches the store
         self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
         self.connections = 0  # accepted since start (tests count retries with it)
         self._sock: socket.socket | None = None
@@ -111,6 +113,8 @@ class TransferServer:
             await self._dispatch(request, conn)
 
     async def _dispatch(self, request: p.Message, conn: Conn) -> None:
+        if self.authorize is not None:
+            self.authorize(request, conn)
         if isinstance(request, p.Get):
             await self._get(request, conn)
         elif isinstance(request, p.Put):

@@ -1,0 +1,108 @@
+"""``prfaas certs``: a private CA and per-role certificates, made with ``cryptography``.
+
+Every certificate names its role in a SAN URI ``spiffe://prfaas/<role>/<name>`` (``prfaas.security.identity``
+reads it back), is valid for client and server use, and covers ``localhost``/``127.0.0.1`` plus the ``hosts``
+given. Private keys are written with mode 0600 (created so, never widened); files are PEM. Failures: an unknown
+role or a missing CA raise ``InvalidRequest``; file errors surface as ``OSError``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from prfaas.errors import InvalidRequest
+
+ROLES = ("router", "prefill", "decode", "relay")
+CA_CERT, CA_KEY = "ca.pem", "ca.key"
+DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+
+
+def spiffe_uri(role: str, name: str) -> str:
+    return f"spiffe://prfaas/{role}/{name}"
+
+
+def init(directory: str | os.PathLike[str], days: int = 365) -> dict[str, Path]:
+    """A new CA in ``directory`` and one certificate per role (``<role>.pem``/``<role>.key``); returns the paths
+    by name (``ca`` and each role). Refuses to overwrite an existing CA (``InvalidRequest``)."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    if (root / CA_KEY).exists():
+        raise InvalidRequest(f"{root / CA_KEY} exists; use `prfaas certs issue` to add certificates")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prfaas CA")])
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days * 5))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_key(root / CA_KEY, key)
+    (root / CA_CERT).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths = {"ca": root / CA_CERT}
+    for role in ROLES:
+        paths[role] = issue(root, role, role, days=days)
+    return paths
+
+
+def issue(directory: str | os.PathLike[str], role: str, name: str, *, hosts: Sequence[str] = (),
+          days: int = 365, not_before: dt.datetime | None = None) -> Path:
+    """A certificate for instance ``name`` of ``role``, signed by the CA in ``directory``; writes ``<name>.pem``
+    and ``<name>.key`` (0600) there and returns the certificate's path. ``not_before``/``days`` set validity (tests
+    make expired certificates with them)."""
+    if role not in ROLES:
+        raise InvalidRequest(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+    root = Path(directory)
+    if not (root / CA_KEY).exists():
+        raise InvalidRequest(f"no CA in {root}; run `prfaas certs init {root}` first")
+    ca_key = serialization.load_pem_private_key((root / CA_KEY).read_bytes(), password=None)
+    ca = x509.load_pem_x509_certificate((root / CA_CERT).read_bytes())
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = not_before or _now() - dt.timedelta(minutes=5)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(_names(role, name, hosts)), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write_key(root / f"{name}.key", key)
+    path = root / f"{name}.pem"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def _names(role: str, name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(spiffe_uri(role, name))]
+    for host in dict.fromkeys([*DEFAULT_HOSTS, *hosts]):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    """Created with mode 0600 (the umask can only narrow it); an existing file is narrowed before writing."""
+    data = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)

@@ -1,0 +1,49 @@
+"""TLS 1.3 contexts for prfaas's servers and clients, from the config's ``tls: {ca, cert, key, required}``.
+
+Both sides: minimum TLS 1.3, the private CA as the only trust anchor, this process's certificate presented.
+Servers verify client certificates against the CA: required (``CERT_REQUIRED``) on instances when
+``tls.required``, optional on the router's public port (OpenAI clients carry API keys, not certificates).
+A plaintext peer fails the handshake, so nothing it sends is read as a request. Failures: a missing or unreadable
+file raises ``InvalidRequest`` naming it.
+"""
+
+from __future__ import annotations
+
+import ssl
+
+from prfaas.config import TLSConfig
+from prfaas.errors import InvalidRequest
+
+
+def enabled(tls: TLSConfig) -> bool:
+    """True when the config names a CA, a certificate and a key (TLS on every listener and client)."""
+    return bool(tls.ca and tls.cert and tls.key)
+
+
+def server_context(tls: TLSConfig, client_certs: bool | None = None) -> ssl.SSLContext:
+    """A server context; ``client_certs`` True requires a client certificate, False only verifies one when
+    presented, None follows ``tls.required``."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    _common(ctx, tls)
+    required = tls.required if client_certs is None else client_certs
+    ctx.verify_mode = ssl.CERT_REQUIRED if required else ssl.CERT_OPTIONAL
+    return ctx
+
+
+def client_context(tls: TLSConfig) -> ssl.SSLContext:
+    """A client context that verifies the server against the CA (host names included) and presents our
+    certificate."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    _common(ctx, tls)
+    return ctx
+
+
+def _common(ctx: ssl.SSLContext, tls: TLSConfig) -> None:
+    if not enabled(tls):
+        raise InvalidRequest("tls: ca, cert and key must all be set")
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    try:
+        ctx.load_verify_locations(cafile=tls.ca)
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"tls: cannot load {tls.ca}, {tls.cert} or {tls.key}: {exc}") from exc
