@@ -13,6 +13,8 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,6 +105,13 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def check_config_file(path: str | None, config: Config) -> None:
+    """Refuse (``InvalidRequest``) a config file that holds API keys and is readable by every user."""
+    path = path or os.environ.get("PRFAAS_CONFIG")
+    if path and config.api_keys and os.stat(path).st_mode & stat.S_IROTH:
+        raise InvalidRequest(f"{path} holds api_keys and is world-readable; run `chmod o-rwx {path}`")
 
 
 def check_exposure(host: str, config: Config, insecure: bool = False) -> None:

@@ -9,6 +9,7 @@ file raises ``InvalidRequest`` naming it.
 
 from __future__ import annotations
 
+import os
 import ssl
 
 from prfaas.config import TLSConfig
@@ -42,6 +43,8 @@ def _common(ctx: ssl.SSLContext, tls: TLSConfig) -> None:
     if not enabled(tls):
         raise InvalidRequest("tls: ca, cert and key must all be set")
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if os.path.exists(str(tls.key)) and os.stat(str(tls.key)).st_mode & 0o077:
+        raise InvalidRequest(f"tls: the private key {tls.key} is readable by others; run `chmod 600 {tls.key}`")
     try:
         ctx.load_verify_locations(cafile=tls.ca)
         ctx.load_cert_chain(str(tls.cert), str(tls.key))

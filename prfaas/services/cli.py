@@ -16,7 +16,11 @@ MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF director
 
 
 def _config(path: str | None, threshold: int | None, datacenter: str | None = None) -> Config:
-    return load_config(path, offload_threshold_tokens=threshold, datacenter=datacenter)
+    from prfaas.security.apikeys import check_config_file
+
+    config = load_config(path, offload_threshold_tokens=threshold, datacenter=datacenter)
+    check_config_file(path, config)
+    return config
 
 
 @serve_app.command()

@@ -65,3 +65,25 @@ def test_non_loopback_router_needs_keys_or_tls() -> None:
     run = subprocess.run([sys.executable, "-m", "prfaas", "serve", "router", "--host", "0.0.0.0", "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "refusing to bind the router to 0.0.0.0" in run.stderr
+
+
+def test_world_readable_secrets_are_refused(tmp_path: Any) -> None:
+    import os
+
+    from prfaas.config import TLSConfig
+    from prfaas.security import certs, tls
+    from prfaas.security.apikeys import check_config_file
+
+    path = tmp_path / "prfaas.yaml"
+    path.write_text(f"api_keys: [{ALICE}]\n")
+    config = from_dict({"api_keys": [ALICE]})
+    os.chmod(path, 0o644)
+    with pytest.raises(InvalidRequest, match="world-readable"):
+        check_config_file(str(path), config)
+    os.chmod(path, 0o600)
+    check_config_file(str(path), config)
+    certs.init(tmp_path / "pki")
+    os.chmod(tmp_path / "pki" / "relay.key", 0o644)
+    with pytest.raises(InvalidRequest, match="readable by others"):
+        tls.client_context(TLSConfig(ca=str(tmp_path / "pki" / "ca.pem"), cert=str(tmp_path / "pki" / "relay.pem"),
+                                     key=str(tmp_path / "pki" / "relay.key")))
