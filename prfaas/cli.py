@@ -59,6 +59,9 @@ from prfaas.bench.cli import app as bench_app  # noqa: E402
 app.add_typer(bench_app, name="bench")
 app.add_typer(audit_app, name="audit")
 app.add_typer(lab_app, name="lab")
+from prfaas.admin.cli import app as admin_app  # noqa: E402
+
+app.add_typer(admin_app, name="admin")
 from prfaas.security.cli import app as certs_app  # noqa: E402
 
 app.add_typer(certs_app, name="certs")

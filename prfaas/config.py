@@ -65,6 +65,8 @@ class Config:
     redis_url: str = "redis://127.0.0.1:6379/0"  # store_backend redis; also unix:///path/redis.sock
     redis_maxmemory_policy: str = "noeviction"  # set on the Redis server at start; "" keeps the server's
     audit_log: str = ""  # hash-chained access/deletion log of each store; "{instance}" → instance id; "" = none
+    drain_timeout_ms: int = 60000  # SIGTERM / `prfaas admin drain`: longest wait for in-flight work
+    pools: dict[str, float] = field(default_factory=dict)  # model name or pool key → traffic weight (canary)
 
     def __post_init__(self) -> None:
         checks = [
@@ -86,6 +88,8 @@ class Config:
             (self.serialization == "msgpack", "serialization: only msgpack is implemented"),
             (self.checksum == "xxhash64", "checksum: only xxhash64 is implemented"),
             (self.store_backend in ("memory", "redis"), "store_backend must be memory or redis"),
+            (self.drain_timeout_ms >= 0, "drain_timeout_ms must be ≥ 0"),
+            (all(w >= 0 for w in self.pools.values()), "pools: every weight must be ≥ 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -105,6 +109,15 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """12 hex digits over the keys every instance of a deployment should share (not the per-host
+        ``datacenter``, ``tls`` paths or ``api_keys``): `prfaas admin check` compares them across instances."""
+        import hashlib
+        import json
+
+        shared = {k: v for k, v in self.to_dict().items() if k not in ("datacenter", "tls", "api_keys")}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> Config:

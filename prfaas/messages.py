@@ -65,6 +65,8 @@ class InstanceInfo(Message):
     kv_fixed_bytes: int = 0
     queue_depth: int = 0
     ready: bool = True
+    draining: bool = False  # finishing what it holds: placement gives it nothing new (prfaas.services.drain)
+    config_hash: str = ""  # Config.fingerprint() of the instance's config, compared by `prfaas admin check`
 
     def kv_bytes(self, tokens: int) -> int:
         """Expected KV bytes of a sequence of ``tokens`` on this instance (an upper bound for windowed layers)."""
@@ -82,6 +84,7 @@ class PrefillRequest(Message):
     sampling: dict[str, Any] = field(default_factory=dict)
     push_to: str = ""
     deadline_ms: int = 0
+    format_version: int = 0  # blob format to write, negotiated by the router for its readers; 0: the current
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -15,6 +16,22 @@ SUPPORTED_VERSIONS = frozenset({1})
 
 
 _LENIENT = frozenset({"model", "format_version"})
+
+
+def readable_by(version: int) -> frozenset[int]:
+    """The blob versions a reader whose current version is ``version`` accepts: its own and the previous one."""
+    return frozenset({version, version - 1})
+
+
+def negotiate_version(reader_versions: Iterable[int]) -> int:
+    """The newest blob version this writer can write that every reader (given by its current version) accepts;
+    rolling upgrades write the old format until the last old reader is gone. ``KVIncompatible`` if none."""
+    readers = set(reader_versions) or {FORMAT_VERSION}
+    for version in sorted(SUPPORTED_VERSIONS, reverse=True):
+        if version <= FORMAT_VERSION and all(version in readable_by(r) for r in readers):
+            return version
+    raise KVIncompatible(f"no blob format version that readers at versions {sorted(readers)} all accept; "
+                         f"this writer writes {sorted(SUPPORTED_VERSIONS)}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,12 @@ class Fingerprint:
     def short_hash(self) -> str:
         """12 hex digits over every field: the prefix of each ``kv_id``."""
         text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+        return xxhash.xxh64_hexdigest(text.encode())[:12]
+
+    def pool_key(self) -> str:
+        """12 hex digits over the fields that must match (not the display name nor the format version): instances
+        with one pool key can be paired, so a deployment's pools during a model upgrade are keyed by it."""
+        text = "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items()) if k not in _LENIENT)
         return xxhash.xxh64_hexdigest(text.encode())[:12]
 
     def to_wire(self) -> dict[str, Any]:

@@ -113,8 +113,13 @@ class BlobWriter:
     ``add_layer`` returns the chunk frames that became complete, so a caller can send them at once.
     """
 
-    def __init__(self, header: BlobHeader) -> None:
+    def __init__(self, header: BlobHeader, version: int = 0) -> None:
+        """``version``: the blob format to write (0: the current one); see ``negotiate_version``."""
         self.header = header
+        self.version = version or FORMAT_VERSION
+        if self.version not in SUPPORTED_VERSIONS:
+            raise KVBadFormat(f"cannot write KV format version {self.version}; this writer supports "
+                              f"{sorted(SUPPORTED_VERSIONS)}")
         self._pending = bytearray()
         self._index = 0
         self._total = 0
@@ -142,7 +147,7 @@ class BlobWriter:
 
     def header_frame(self) -> bytes:
         meta = _pack(self.header.to_wire())
-        frame = _sealed(_HEADER.pack(MAGIC, FORMAT_VERSION, len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
+        frame = _sealed(_HEADER.pack(MAGIC, self.version, len(meta))) + meta + _U64.pack(xxhash.xxh64_intdigest(meta))
         self._frame_bytes += len(frame)
         return frame
 

@@ -83,3 +83,19 @@ TRANSFER_RETRANSMITS = Counter("prfaas_transfer_retransmits_total", "TCP segment
                                "connections (TCP_INFO)", ["op"], registry=REGISTRY)
 TRANSFER_INFLIGHT = Gauge("prfaas_transfer_inflight", "KV blobs in flight in this process (bounded by "
                           "max_inflight_kv)", registry=REGISTRY)
+
+# Autoscaling signals published by the router (prfaas.services.signals; `prfaas admin recommend`, HPA / KEDA).
+SIGNAL_PREFILL_WAIT = Gauge("prfaas_router_prefill_queue_wait_seconds", "Longest expected wait in a prefill queue",
+                            registry=REGISTRY)
+SIGNAL_DECODE_QUEUE = Gauge("prfaas_router_decode_queue_depth", "Requests queued or running on all decode instances",
+                            registry=REGISTRY)
+SIGNAL_DECODE_FREE_KV = Gauge("prfaas_router_decode_free_kv_bytes", "Free KV memory over all decode instances",
+                              registry=REGISTRY)
+SIGNAL_KV_EGRESS = Gauge("prfaas_router_kv_egress_bits_per_second", "KV bits sent across datacenters per second "
+                         "over the last minute", registry=REGISTRY)
+SIGNAL_OFFLOAD_FRACTION = Gauge("prfaas_router_offload_fraction", "Share of last minute's requests prefilled "
+                                "remotely", registry=REGISTRY)
+SIGNAL_ARRIVAL = Gauge("prfaas_router_arrival_rate_rps", "Requests finished per second over the last minute",
+                       registry=REGISTRY)
+DRAINING = Gauge("prfaas_registry_draining_instances", "Registered instances that are draining", ["role"],
+                 registry=REGISTRY)

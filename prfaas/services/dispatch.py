@@ -50,6 +50,7 @@ class Job:
     first_token_at: float | None = None
     last_token_at: float | None = None
     generated: list[int] = field(default_factory=list)
+    pool: str = ""  # the pool key (registry.py) every instance of this request comes from; "" = any
 
 
 class Dispatcher:
@@ -85,7 +86,8 @@ class Dispatcher:
         tokens = len(job.token_ids) + job.max_tokens
         deadline = time.monotonic() + self.config.decode_queue_timeout_ms / 1e3
         while True:
-            instances = [self._view(i) for i in self.registry.healthy("decode") if i.instance_id not in exclude]
+            instances = [self._view(i) for i in self.registry.healthy("decode", job.pool or None)
+                         if i.instance_id not in exclude]
             best = self.scheduler.decode_for(instances, max((i.kv_bytes(tokens) for i in instances), default=0))
             if best is not None:
                 return best
@@ -110,8 +112,8 @@ class Dispatcher:
 
     async def _attempt(self, job: Job, decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
         resumed = bool(job.generated)
-        decision = self.scheduler.route(len(job.token_ids), self.registry.healthy("prefill"),
-                                        self.registry.healthy("relay")) if not resumed else None
+        decision = self.scheduler.route(len(job.token_ids), self.registry.healthy("prefill", job.pool or None),
+                                        self.registry.healthy("relay", job.pool or None)) if not resumed else None
         if decision is not None:
             job.extension.update(route=decision.route, reason=decision.reason, decode_instance=decode.instance_id,
                                  retries=job.extension.get("retries", 0), fallback=False)
@@ -148,7 +150,8 @@ class Dispatcher:
         kv_id = new_kv_id(Fingerprint.from_wire(decode.fingerprint).short_hash())
         job.extension.update(kv_id=kv_id, prefill_instance=prefill.instance_id)
         body = PrefillRequest(request_id=job.request_id, kv_id=kv_id, token_ids=job.token_ids,
-                              sampling=job.sampling.to_json(), push_to=relay.kv_address if relay else "")
+                              sampling=job.sampling.to_json(), push_to=relay.kv_address if relay else "",
+                              format_version=self._reader_version(job))
         pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
                                sampling=job.sampling.to_json(), stop=job.stop, ignore_eos=job.ignore_eos, kv_id=kv_id,
                                kv_address=relay.kv_address if relay else prefill.kv_address)
@@ -182,6 +185,12 @@ class Dispatcher:
                 self.scheduler.breakers.failure(prefill.instance_id)
             raise
         self.scheduler.breakers.success(prefill.instance_id)
+
+    def _reader_version(self, job: Job) -> int:
+        """The oldest blob format the pool's decode instances are at: prefill writes what all of them read."""
+        versions = [int(i.fingerprint.get("format_version", 0)) for i in self.registry.healthy("decode", job.pool
+                    or None) if i.fingerprint]
+        return min(versions, default=0)
 
     def _prefill_facts(self, job: Job, prefill: InstanceInfo, done: dict[str, Any]) -> None:
         if done.get("event") != "done":

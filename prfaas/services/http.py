@@ -70,7 +70,8 @@ def ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awaitable[None]] | None = None,
-                ssl: ssl_module.SSLContext | None = None) -> None:
+                ssl: ssl_module.SSLContext | None = None,
+                server_class: type[uvicorn.Server] = uvicorn.Server) -> None:
     """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown.
     With ``ssl`` it serves TLS only (a plaintext peer fails the handshake) and records each peer's certificate
     for ``prfaas.security.asgi.RoleGuard``."""
@@ -80,7 +81,7 @@ async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awai
 
         extra = {"ssl_context_factory": lambda config, default: ssl, "http": PeerH11Protocol}
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, **extra)
-    server = uvicorn.Server(config)
+    server = server_class(config)  # prfaas.services.drain: SIGTERM drains an instance
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.02)

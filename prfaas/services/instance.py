@@ -1,7 +1,8 @@
 """One prefill, decode or relay process: its HTTP control app, its data plane, heartbeats, and a clean shutdown.
 
 Lifecycle: bind sockets → load the engine (prefill, decode) → start the transfer server (when the role holds a
-store) → serve HTTP and heartbeat the router → on SIGTERM/SIGINT: deregister, let uvicorn drain open requests,
+store) → serve HTTP and heartbeat the router → on SIGTERM: drain first (``prfaas.services.drain``), then as on
+SIGINT: deregister, let uvicorn drain open requests,
 close the transfer server, close the store (every blob left gets a ``shutdown`` deletion record, and the audit log a
 ``close`` entry). The store, its backend, audit log and metrics are ``prfaas.services.kvstore.StoreRuntime``.
 """
@@ -23,7 +24,7 @@ from prfaas.config import Config
 from prfaas.messages import InstanceInfo
 from prfaas.security import guards
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import http
+from prfaas.services import drain, http
 from prfaas.services.heartbeat import Heartbeat
 from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import TransferServer
@@ -61,6 +62,7 @@ class Instance:
         self.load: Callable[[], dict[str, int]] = lambda: {}
         self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
         http.install_error_handlers(self.app)
+        self.drain = drain.attach(self)  # SIGTERM / POST /admin/drain: finish, then exit (drain.py)
         guards.protect_instance(self.app, self.kv._accessed if self.kv else None)
         self._routes()
 
@@ -70,10 +72,12 @@ class Instance:
         return InstanceInfo.from_json({
             "instance_id": self.options.instance_id, "role": self.options.role, "url": self.url,
             "kv_address": self.kv_address, "datacenter": self.config.datacenter, "fingerprint": self.fingerprint,
-            "model": self.model, "max_seq_len": self.max_seq_len, **self.load()})
+            "model": self.model, "max_seq_len": self.max_seq_len, "draining": self.drain.draining,
+            "config_hash": self.config.digest(), **self.load()})
 
     async def run(self) -> None:
-        await http.serve(self.app, self.http_sock, ssl=tls_runtime.server_ssl())
+        await http.serve(self.app, self.http_sock, ssl=tls_runtime.server_ssl(),
+                         server_class=drain.server_class(self.drain))
 
     def _routes(self) -> None:
         @self.app.get("/health")
@@ -96,6 +100,7 @@ class Instance:
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
         beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3,
                          on_refused=self._refused)
+        self.beat = beat  # the drain restarts it to announce itself at once
         beat.start()
         log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
                  self.kv_address or "-")
@@ -131,4 +136,4 @@ class Instance:
     def _refused(reason: str) -> None:
         """The router will not pair us (another model): say why and stop, rather than idle unregistered."""
         log.error("the router refused this instance and it stops: %s", reason)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)  # stop now: it holds no work, so nothing to drain

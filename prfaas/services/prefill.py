@@ -7,13 +7,15 @@ encodes it and hands the finished chunk frames to the sink (own store, or a push
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from prfaas.config import Config
 from prfaas.errors import PrfaasError
-from prfaas.kv import BlobHeader, BlobWriter, LayerState, check_kv_id
+from prfaas.kv import FORMAT_VERSION, BlobHeader, BlobWriter, LayerState, check_kv_id
+from prfaas.kv.fingerprint import negotiate_version
 from prfaas.messages import PrefillRequest, SamplingParams
 from prfaas.obs import metrics
 from prfaas.services.runner import EngineRunner
@@ -43,7 +45,8 @@ class PrefillService:
 
     async def _prefill(self, request: PrefillRequest, arrived: float) -> AsyncIterator[dict[str, Any]]:
         sampling = SamplingParams.from_json(request.sampling)
-        writer = BlobWriter(self._header(request))
+        version = negotiate_version([request.format_version]) if request.format_version else FORMAT_VERSION
+        writer = BlobWriter(self._header(request, version), version)
         sink = self._sink(request, writer.header_frame())
         yield {"event": "accepted"}
         loop = asyncio.get_running_loop()
@@ -68,8 +71,11 @@ class PrefillService:
                "chunks": writer.chunks_written, "prefill_ms": seconds * 1e3,
                "queue_ms": (started - arrived) * 1e3}
 
-    def _header(self, request: PrefillRequest) -> BlobHeader:
-        return BlobHeader(kv_id=check_kv_id(request.kv_id), fingerprint=self.engine.fingerprint,
+    def _header(self, request: PrefillRequest, version: int) -> BlobHeader:
+        fingerprint = self.engine.fingerprint  # carries the version written, so old readers accept the blob
+        if version != fingerprint.format_version:
+            fingerprint = dataclasses.replace(fingerprint, format_version=version)
+        return BlobHeader(kv_id=check_kv_id(request.kv_id), fingerprint=fingerprint,
                           codec=self.config.kv_codec, seq_len=len(request.token_ids), cache=self.engine.cache_class,
                           chunk_size=self.config.chunk_bytes, layers=self.engine.layer_table,
                           created_ms=int(time.time() * 1000))

@@ -1,13 +1,22 @@
-"""The router's view of its instances, kept fresh by heartbeats; placement picks from the healthy ones."""
+"""The router's view of its instances, kept fresh by heartbeats; placement picks from the healthy ones.
+
+Pools: instances are grouped by the pool key of their fingerprint (``Fingerprint.pool_key``: everything that must
+match for a KV hand-off). Without ``pools`` in the config the first engine instance fixes the deployment's model and
+any other fingerprint is refused (HTTP 409, ``KV_INCOMPATIBLE``). With ``pools`` (model name or pool key → weight),
+every fingerprint must match an entry, several pools run side by side (a model upgrade), requests go to a pool
+with the configured weights (canary) and are paired only inside it. Relays hold no model and serve every pool.
+Draining instances stay listed but get no new work.
+"""
 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prfaas.errors import KVIncompatible
+from prfaas.errors import InvalidRequest, KVIncompatible
 from prfaas.kv import Fingerprint
 from prfaas.messages import InstanceInfo
 from prfaas.obs import metrics
@@ -22,42 +31,97 @@ class _Entry:
     last_seen: float
 
 
-class Registry:
-    """Instances by id. The first engine instance fixes the deployment's fingerprint; an instance whose
-    fingerprint differs is refused at registration (HTTP 409, ``KV_INCOMPATIBLE``)."""
+def pool_of(info: InstanceInfo) -> str:
+    """The instance's pool key; "" for an instance without a model (a relay)."""
+    return Fingerprint.from_wire(info.fingerprint).pool_key() if info.fingerprint else ""
 
-    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+
+class Registry:
+    """Instances by id, grouped into pools by fingerprint; see the module docstring for who is refused."""
+
+    def __init__(self, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+                 pools: dict[str, float] | None = None) -> None:
         self.timeout_s = timeout_s
         self.clock = clock
+        self.pools = dict(pools or {})
         self._entries: dict[str, _Entry] = {}
-        self.fingerprint: Fingerprint | None = None
+        self.fingerprint: Fingerprint | None = None  # the first pool's: the deployment's model by default
+        self.models: dict[str, Fingerprint] = {}  # pool key → fingerprint
 
     def upsert(self, info: InstanceInfo) -> None:
         if info.role not in ROLES:
             raise KVIncompatible(f"unknown role {info.role!r}")
         if info.fingerprint:
-            fingerprint = Fingerprint.from_wire(info.fingerprint)
-            if self.fingerprint is None:
-                self.fingerprint = fingerprint
-            elif fingerprint.mismatches(self.fingerprint):
-                metrics.REFUSED.labels(reason="fingerprint").inc()
-                why = (f"{info.instance_id} serves another model than this deployment: its fingerprint differs "
-                       f"in {', '.join(fingerprint.mismatches(self.fingerprint))}")
-                log.warning("registration refused: %s", why)
-                raise KVIncompatible(why)
+            self._admit(info.instance_id, Fingerprint.from_wire(info.fingerprint))
         self._entries[info.instance_id] = _Entry(info, self.clock())
         metrics.QUEUE_DEPTH.labels(instance=info.instance_id).set(info.queue_depth)
         metrics.FREE_KV.labels(instance=info.instance_id).set(info.free_kv_bytes)
         self._publish()
 
+    def _admit(self, instance_id: str, fingerprint: Fingerprint) -> None:
+        key = fingerprint.pool_key()
+        if key in self.models:
+            return
+        if self.pools and self.weight_of(key, fingerprint.model) is None:
+            self._refuse(f"{instance_id} serves {fingerprint.model!r} (pool {key}), which matches no entry of "
+                         f"the configured pools {sorted(self.pools)}")
+        if not self.pools and self.fingerprint is not None:
+            bad = fingerprint.mismatches(self.fingerprint)
+            self._refuse(f"{instance_id} serves another model than this deployment: its fingerprint differs "
+                         f"in {', '.join(bad)} (list both models under `pools` in the config to run them side "
+                         f"by side)")
+        self.models[key] = fingerprint
+        self.fingerprint = self.fingerprint or fingerprint
+        log.info("pool %s (%s) opened by %s", key, fingerprint.model, instance_id)
+
+    @staticmethod
+    def _refuse(why: str) -> None:
+        metrics.REFUSED.labels(reason="fingerprint").inc()
+        log.warning("registration refused: %s", why)
+        raise KVIncompatible(why)
+
+    def weight_of(self, key: str, model: str) -> float | None:
+        """The configured weight of a pool (by pool key, else by model name); without ``pools``, 1."""
+        if not self.pools:
+            return 1.0
+        return self.pools.get(key, self.pools.get(model))
+
+    def mark_draining(self, instance_id: str) -> bool:
+        """Stop placing work on an instance now, before its next heartbeat says so; False if unknown."""
+        entry = self._entries.get(instance_id)
+        if entry is None:
+            return False
+        entry.info = InstanceInfo.from_json({**entry.info.to_json(), "draining": True})
+        self._publish()
+        return True
+
     def remove(self, instance_id: str) -> None:
         self._entries.pop(instance_id, None)
         self._publish()
 
-    def healthy(self, role: str) -> list[InstanceInfo]:
+    def healthy(self, role: str, pool: str | None = None) -> list[InstanceInfo]:
+        """Instances that can take new work: heard from lately, ready, not draining, and (with ``pool``) of
+        that pool or of none (relays)."""
         now = self.clock()
         return [e.info for e in self._entries.values()
-                if e.info.role == role and e.info.ready and now - e.last_seen <= self.timeout_s]
+                if e.info.role == role and e.info.ready and not e.info.draining
+                and now - e.last_seen <= self.timeout_s
+                and (pool is None or not e.info.fingerprint or pool_of(e.info) == pool)]
+
+    def choose_pool(self, model: str, rng: random.Random) -> str:
+        """The pool a new request goes to: the one ``model`` names (a model name or pool key), else a draw by the
+        configured weights among pools with a healthy decode instance. "" only while no model is known."""
+        live = {pool_of(i) for i in self.healthy("decode")} & set(self.models)
+        if model:
+            named = sorted(k for k in self.models if model in (k, self.models[k].model))
+            if not named and self.models:
+                raise InvalidRequest(f"model {model!r} is not served here; this deployment serves "
+                                     f"{sorted({f.model for f in self.models.values()})}")
+            return next((k for k in named if k in live), named[0] if named else "")
+        weights = {k: self.weight_of(k, self.models[k].model) or 0.0 for k in sorted(live)}
+        if not weights or sum(weights.values()) <= 0:
+            return next(iter(weights), next(iter(sorted(self.models)), ""))
+        return rng.choices(list(weights), weights=list(weights.values()))[0]
 
     def all(self) -> list[tuple[InstanceInfo, bool]]:
         now = self.clock()
@@ -69,3 +133,5 @@ class Registry:
             total = sum(1 for e in self._entries.values() if e.info.role == role)
             metrics.INSTANCES.labels(role=role, healthy="true").set(healthy)
             metrics.INSTANCES.labels(role=role, healthy="false").set(total - healthy)
+            draining = sum(1 for e in self._entries.values() if e.info.role == role and e.info.draining)
+            metrics.DRAINING.labels(role=role).set(draining)

@@ -27,9 +27,10 @@ from prfaas.obs import metrics
 from prfaas.scheduler import Scheduler
 from prfaas.security import apikeys, guards
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import http, openai_api
+from prfaas.services import admin_routes, http, openai_api
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
+from prfaas.services.signals import Signals
 
 log = logging.getLogger("prfaas.router")
 
@@ -40,10 +41,11 @@ class Router:
             raise InvalidRequest("mode must be relay or direct")
         self.config = config
         self.mode = mode
-        self.registry = Registry(config.heartbeat_timeout_ms / 1e3)
+        self.registry = Registry(config.heartbeat_timeout_ms / 1e3, pools=config.pools)
         self.scheduler = Scheduler(config, mode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=tls_runtime.http_verify())
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
+        self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
 
     def required_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
@@ -64,18 +66,19 @@ class Router:
 
     async def _complete(self, body: Any, chat: bool) -> Any:
         req = openai_api.parse(body, chat)
-        if req.model and self.model_name and req.model != self.model_name:
-            raise InvalidRequest(f"model {req.model!r} is not served here; this deployment serves "
-                                 f"{self.model_name!r}")
+        pool = self.registry.choose_pool(req.model, self.scheduler.rng)  # canary weights (registry.py)
         try:
             self.scheduler.admit()
         except RateLimited:
             metrics.RATE_LIMITED.inc()
             raise
-        tokenizer = next(iter(self.registry.healthy("decode")), None)
+        tokenizer = next(iter(self.registry.healthy("decode", pool or None)), None)
         if tokenizer is None:
             raise KVUnavailable("no healthy decode instance")
         job = await self._job(req, tokenizer)
+        job.pool = pool
+        if pool:
+            job.extension.update(pool=pool, model=self.registry.models[pool].model)
         decode = await self.dispatcher.acquire_decode(job)
         rid = openai_api.new_id(chat)
         events = self.dispatcher.run(job, decode)
@@ -151,6 +154,7 @@ class Router:
             if job.last_token_at is not None and len(job.generated) > 1:
                 metrics.TPOT.observe((job.last_token_at - job.first_token_at) / (len(job.generated) - 1))
         metrics.E2E.labels(route=route).observe(time.perf_counter() - job.arrived)
+        self.signals.record(len(job.token_ids), len(job.generated), route, int(job.extension.get("kv_bytes", 0)))
 
     async def stores(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -173,6 +177,7 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="prfaas router", lifespan=lifespan)
     http.install_error_handlers(app)
+    admin_routes.install(app, router)
 
     @app.exception_handler(httpx.TransportError)
     async def _unreachable(request: Request, exc: httpx.TransportError) -> JSONResponse:

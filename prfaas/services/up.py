@@ -1,7 +1,8 @@
 """``prfaas up``: a whole deployment on this machine, every role its own process on 127.0.0.1.
 
 Start order: router, relay, prefill, decode. The router URL is printed once ``/health`` is 200. SIGINT/SIGTERM
-stop the children in reverse order (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM from
+stop the children in reverse order (SIGINT, which stops an instance without a drain, then SIGKILL after a grace
+period); children also get SIGTERM from
 the kernel if this process dies, so nothing is left behind.
 """
 
@@ -119,7 +120,7 @@ class Deployment:
     def stop(self) -> None:
         for child in reversed(self.children):
             if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+                child.send_signal(signal.SIGINT)  # stop now: SIGTERM would drain each instance first
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=STOP_GRACE_S)
             if child.poll() is None:

@@ -1,0 +1,63 @@
+"""The router's operator endpoints beside ``/admin/instances`` and ``/admin/kv`` (used by ``prfaas admin``):
+
+- ``GET /admin/pools``: the pools (one per model fingerprint), their weights and instances, the router's config
+  digest and blob format versions; ``POST /admin/pools`` ``{"weights": {model or pool key: weight}}`` shifts
+  traffic live (a canary step) without a restart; a new entry also lets that model's instances register.
+- ``GET /admin/signals``: the autoscaling signals (``prfaas.services.signals``).
+- ``POST /admin/drain/{instance_id}``: stop placing work on the instance at once and ask it to drain (it exits
+  when done). 404 when unknown; 502 when the instance cannot be reached (it is still marked draining).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS
+from prfaas.services import http
+from prfaas.services.registry import pool_of
+
+
+def install(app: FastAPI, router: Any) -> None:
+    registry = router.registry
+
+    @app.get("/admin/pools")
+    async def pools() -> dict[str, Any]:
+        roles: dict[str, Counter[str]] = {}
+        for info, _ in registry.all():
+            roles.setdefault(pool_of(info), Counter())[info.role] += 1
+        out = [{"pool": key, "model": fp.model, "weight": registry.weight_of(key, fp.model),
+                "fingerprint": fp.to_wire(), "instances": dict(roles.get(key, {}))}
+               for key, fp in sorted(registry.models.items())]
+        return {"pools": out, "configured": registry.pools, "router_config_hash": router.config.digest(),
+                "router_format_version": FORMAT_VERSION, "router_reads": sorted(SUPPORTED_VERSIONS)}
+
+    @app.post("/admin/pools")
+    async def set_pools(request: Request) -> Any:
+        weights = (await request.json()).get("weights", {})
+        if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) and w >= 0
+                                                    for w in weights.values()):
+            return JSONResponse(http.error_body(400, "weights must map names to numbers ≥ 0", None), 400)
+        registry.pools.update({str(k): float(v) for k, v in weights.items()})
+        return await pools()
+
+    @app.get("/admin/signals")
+    async def signals() -> dict[str, Any]:
+        return router.signals.snapshot(registry.healthy("prefill"), registry.healthy("decode"),
+                                       router.scheduler.speeds, router.config.offload_threshold_tokens)
+
+    @app.post("/admin/drain/{instance_id}")
+    async def drain(instance_id: str) -> JSONResponse:
+        info = next((i for i, _ in registry.all() if i.instance_id == instance_id), None)
+        if info is None or not registry.mark_draining(instance_id):
+            return JSONResponse(http.error_body(404, f"no instance {instance_id!r}", None), 404)
+        try:
+            reply = await router.client.post(f"{info.url}/admin/drain", timeout=5.0)
+            return JSONResponse(reply.json(), status_code=reply.status_code)
+        except (httpx.HTTPError, ValueError) as exc:
+            return JSONResponse(http.error_body(502, f"{instance_id} marked draining but not reached: {exc}",
+                                                None), 502)

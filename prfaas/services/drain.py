@@ -1,0 +1,165 @@
+"""Graceful drain of one instance: stop taking work, finish or hand off what it holds, then exit.
+
+Triggers: the first SIGTERM (what Kubernetes and systemd send) or ``POST /admin/drain`` (``prfaas admin drain``).
+Then the instance heartbeats ``draining: true`` at once, so the router's placement gives it nothing new (the
+instance still serves whatever was already on its way), and it waits until it is idle: no work request open
+(decode streams, prefills) and, where it holds a store (relay; prefill in direct mode), no live blob — every blob
+released by its decode or expired by TTL. Idle for ``QUIET_S`` (longer than a heartbeat round trip) or past the
+deadline (``drain_timeout_ms``; store holders at least the KV TTL) → uvicorn shuts down, the lifespan deregisters
+from the router and closes the store. A second SIGTERM forces the exit at once (open streams are cut; the router
+resumes them on another decode instance). SIGINT keeps its old meaning: stop now, with uvicorn's short grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+log = logging.getLogger("prfaas.drain")
+QUIET_S = 1.0
+POLL_S = 0.1
+_IDLE_PATHS = frozenset({"/health", "/ready", "/stats", "/metrics", "/debug/store", "/admin/drain"})
+
+
+class OpenWork:
+    """How many work requests are open right now (``WorkCounter`` keeps it)."""
+
+    def __init__(self) -> None:
+        self.open = 0
+
+
+class WorkCounter:
+    """ASGI middleware counting open work requests (everything but health, stats and admin), streams included:
+    a streaming response counts until its last byte is sent."""
+
+    def __init__(self, app: Any, work: OpenWork) -> None:
+        self.app = app
+        self.work = work
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in _IDLE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.work.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.work.open -= 1
+
+
+class Drain:
+    """One instance's drain. ``begin`` is idempotent; ``server`` is set once uvicorn runs."""
+
+    def __init__(self, deadline_s: float, idle: Callable[[], bool], announce: Callable[[], Awaitable[None]],
+                 quiet_s: float = QUIET_S) -> None:
+        self.deadline_s = deadline_s
+        self.idle = idle
+        self.announce = announce
+        self.quiet_s = quiet_s
+        self.server: uvicorn.Server | None = None
+        self.started_at: float | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    @property
+    def draining(self) -> bool:
+        return self.started_at is not None
+
+    def begin(self, reason: str) -> bool:
+        """Start draining (once); returns False when a drain was already under way."""
+        if self.draining:
+            return False
+        self.started_at = time.monotonic()
+        log.info("draining (%s): no new work; exit when idle or after %.0f s", reason, self.deadline_s)
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return True
+
+    async def _run(self) -> None:
+        await self.announce()
+        assert self.started_at is not None
+        quiet_since: float | None = None
+        while True:
+            now = time.monotonic()
+            quiet_since = (quiet_since or now) if self.idle() else None
+            if quiet_since is not None and now - quiet_since >= self.quiet_s:
+                log.info("drained in %.1f s: nothing left in flight", now - self.started_at)
+                break
+            if now - self.started_at >= self.deadline_s:
+                log.warning("drain deadline of %.0f s passed with work left; exiting anyway", self.deadline_s)
+                break
+            await asyncio.sleep(POLL_S)
+        if self.server is not None:
+            self.server.should_exit = True
+
+    def force(self) -> None:
+        log.warning("second SIGTERM: exiting now, without waiting for open work")
+        if self.server is not None:
+            self.server.should_exit = self.server.force_exit = True
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn with SIGTERM meaning "drain" (the second one: exit now); SIGINT is unchanged."""
+
+    drain: Drain
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.drain.server = self
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif not self.drain.draining:
+            asyncio.get_event_loop().call_soon_threadsafe(self.drain.begin, "SIGTERM")
+        else:
+            self._captured_signals.append(sig)  # re-raised once uvicorn has stopped: the exit status says why
+            self.drain.force()
+
+
+def server_class(drain: Drain) -> type[uvicorn.Server]:
+    """A ``DrainingServer`` bound to ``drain`` (``http.serve`` builds the server from the class)."""
+    return type("BoundDrainingServer", (DrainingServer,), {"drain": drain})
+
+
+def attach(instance: Any) -> Drain:
+    """Give an ``Instance`` its drain: the work counter, ``POST /admin/drain`` and ``GET /ready`` (503 while
+    draining: a readiness probe, where ``/health`` stays the liveness probe)."""
+    from fastapi.responses import JSONResponse
+
+    work = OpenWork()
+    instance.app.add_middleware(WorkCounter, work=work)
+    config = instance.config
+    deadline = config.drain_timeout_ms / 1e3
+    if instance.store is not None:  # a store holder serves until every blob is released or expired
+        deadline = max(deadline, config.kv_ttl_seconds + 2.0)
+
+    def idle() -> bool:
+        return work.open == 0 and (instance.store is None or instance.store.stats().blobs == 0)
+
+    async def announce() -> None:
+        beat = getattr(instance, "beat", None)
+        if beat is not None:  # restart the heartbeat: its first beat, at once, says draining
+            await beat.stop(deregister=False)
+            beat.start()
+
+    quiet = max(QUIET_S, 2 * config.heartbeat_interval_ms / 1e3)
+    drain = Drain(deadline, idle, announce, quiet_s=quiet)
+
+    @instance.app.post("/admin/drain")
+    async def start_drain() -> dict[str, Any]:
+        started = drain.begin("admin request")
+        return {"instance_id": instance.options.instance_id, "draining": True, "started": started,
+                "deadline_s": deadline, "open_requests": work.open}
+
+    @instance.app.get("/ready")
+    async def ready() -> JSONResponse:
+        status = "draining" if drain.draining else "ready"
+        return JSONResponse({"status": status, "open_requests": work.open}, status_code=503 if drain.draining else 200)
+
+    return drain
