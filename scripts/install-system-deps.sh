@@ -12,6 +12,7 @@ PACKAGES=(
   iperf3     # benchmarks/transport.py: the wire's ceiling
   libibverbs1  # benchmarks/transport.py: Mooncake's transfer engine will not import without it
   openssl    # prfaas bench transfer --tls, TLS tests: throw-away certificates
+  prometheus  # deploy/prometheus: `promtool test rules` on the alert rules (tests/test_alerts.py)
 )
 
 missing=()
