@@ -18,8 +18,8 @@ _SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 
 def _defined() -> set[str]:
     names = set()
-    for collector in list(metrics.REGISTRY._collector_to_names):  # noqa: SLF001 (the registry's own index)
-        names.update(metrics.REGISTRY._collector_to_names[collector])  # noqa: SLF001
+    for collector in list(metrics.REGISTRY._collector_to_names):
+        names.update(metrics.REGISTRY._collector_to_names[collector])
     return names
 
 
