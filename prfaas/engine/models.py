@@ -9,8 +9,8 @@ SmolLM2's tokenizer so that they can serve text too.
 from __future__ import annotations
 
 import fcntl
-import json
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
