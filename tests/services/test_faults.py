@@ -139,3 +139,30 @@ def test_rate_limit_answers_429(tmp_path: Path) -> None:
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "RATE_LIMITED"
+
+
+def test_relay_killed_under_load_requests_fall_back(tmp_path: Path) -> None:
+    """A store process (the relay) dies while requests run: every request still completes (a remote prefill that
+    fails before the first token falls back to local prefill), and new requests keep working without it."""
+    with deployment(MODEL, "relay", threshold=0) as (url, _):
+        results: list[httpx.Response] = []
+
+        def burst(n: int) -> None:
+            threads = [threading.Thread(target=lambda: results.append(complete(url, list(range(10, 3000)))))
+                       for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+
+        burst(2)
+        loader = threading.Thread(target=burst, args=(6,))
+        loader.start()
+        time.sleep(0.2)
+        os.kill(pid_of(url, "relay-0"), signal.SIGKILL)
+        loader.join(180)
+        burst(2)
+        assert len(results) == 10 and all(r.status_code == 200 for r in results), [r.text for r in results]
+        routes = [r.json()["prfaas"] for r in results]
+        assert any(e["route"] == "local" for e in routes[-2:])  # after the relay died
+        assert all(e["route"] == "remote" or e["fallback"] or "relay" in e["reason"] for e in routes)
