@@ -164,5 +164,5 @@ def test_relay_killed_under_load_requests_fall_back(tmp_path: Path) -> None:
         burst(2)
         assert len(results) == 10 and all(r.status_code == 200 for r in results), [r.text for r in results]
         routes = [r.json()["prfaas"] for r in results]
-        assert any(e["route"] == "local" for e in routes[-2:])  # after the relay died
-        assert all(e["route"] == "remote" or e["fallback"] or "relay" in e["reason"] for e in routes)
+        assert all(e["route"] == "local" for e in routes[-2:])  # after the relay died: fallback, or no relay
+        assert any(e["route"] == "remote" for e in routes[:2])  # before it died
