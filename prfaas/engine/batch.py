@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prfaas.engine.engine import pick_token
 from prfaas.messages import SamplingParams
 
 
@@ -88,7 +89,7 @@ class DecodeBatch:
                                           self.cache)
         out = {}
         for i, row in enumerate(self.rows):
-            token = _pick(logits[i], row)
+            token = pick_token(logits[i], row.sampling, row.step)
             out[row.seq_id] = token
             row.token, row.length, row.step = token, row.length + 1, row.step + 1
         self.length += 1
@@ -103,12 +104,6 @@ class DecodeBatch:
                 total += sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
         linear = getattr(self.cache, "linear_cache", []) if self.cache is not None else []
         return total + sum(t.nbytes for t in linear if isinstance(t, torch.Tensor))
-
-
-def _pick(logits: torch.Tensor, row: Row) -> int:
-    from prfaas.engine.engine import pick_token
-
-    return pick_token(logits, row.sampling, row.step)
 
 
 def _each_layer(cache: Any, other: Any, fn: Callable[[Any, Any, int | None], None]) -> None:
