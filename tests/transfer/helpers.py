@@ -150,7 +150,8 @@ class FaultProxy:
             await asyncio.gather(*pumps, return_exceptions=True)
             if fault is not None and fault.reset:
                 sock = cwriter.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                with contextlib.suppress(OSError):  # the client may have closed first: nothing left to reset
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             for writer in (cwriter, uwriter):
                 writer.close()  # both before any wait: a cancelled wait must not leave the other open
             for writer in (cwriter, uwriter):
