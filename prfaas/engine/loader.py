@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
-from prfaas.engine import models
+from prfaas.engine import attention, models
 from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import Engine
 from prfaas.errors import InvalidRequest
@@ -20,11 +20,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None) -> Engine:
     """Load a model for prefill and decode on the CPU (or the default torch device)."""
+    if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
+        from prfaas.engine.synthetic import load_synthetic
+
+        return load_synthetic(spec)
     if dtype not in DTYPES:
         raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if threads:
         torch.set_num_threads(threads)
     _quiet_transformers()
+    attention.install()
     model, tokenizer, name = _load(spec, DTYPES[dtype])
     model.eval()
     return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype))
