@@ -60,7 +60,10 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(audit_app, name="audit")
 app.add_typer(lab_app, name="lab")
 from prfaas.admin.cli import app as admin_app  # noqa: E402
+from prfaas.tenancy.cli import store_key, usage  # noqa: E402
 
+admin_app.command("usage")(usage)
+admin_app.command("store-key")(store_key)
 app.add_typer(admin_app, name="admin")
 from prfaas.security.cli import app as certs_app  # noqa: E402
 

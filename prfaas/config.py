@@ -67,6 +67,9 @@ class Config:
     audit_log: str = ""  # hash-chained access/deletion log of each store; "{instance}" → instance id; "" = none
     drain_timeout_ms: int = 60000  # SIGTERM / `prfaas admin drain`: longest wait for in-flight work
     pools: dict[str, float] = field(default_factory=dict)  # model name or pool key → traffic weight (canary)
+    tenants: dict[str, Any] = field(default_factory=dict)  # tenant name → policy (prfaas.tenancy.policy)
+    store_key_file: str = ""  # master key sealing blobs at rest (prfaas.store.sealed); also $PRFAAS_STORE_KEY
+    redis_ca: str = ""  # CA bundle for a rediss:// redis_url; credentials in the URL or $PRFAAS_REDIS_PASSWORD
 
     def __post_init__(self) -> None:
         checks = [
@@ -94,6 +97,9 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(f"config: {message}")
+        from prfaas.tenancy.policy import Tenants
+
+        Tenants.from_config(self.tenants)  # every tenant's policy within its limits, or refuse the config
 
     @property
     def chunk_bytes(self) -> int:
@@ -116,7 +122,8 @@ class Config:
         import hashlib
         import json
 
-        shared = {k: v for k, v in self.to_dict().items() if k not in ("datacenter", "tls", "api_keys")}
+        shared = {k: v for k, v in self.to_dict().items()
+                  if k not in ("datacenter", "tls", "api_keys", "store_key_file", "redis_ca")}
         return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -145,6 +152,8 @@ def from_dict(data: dict[str, Any]) -> Config:
             values["tls"] = TLSConfig(**(values["tls"] or {}))
         if "slo" in values:
             values["slo"] = SLOConfig(**(values["slo"] or {}))
+        if not isinstance(values.get("tenants") or {}, dict):
+            raise InvalidRequest("config: tenants must be a mapping of tenant name to policy")
         if "api_keys" in values:
             values["api_keys"] = tuple(values["api_keys"] or ())
         return Config(**values)

@@ -117,6 +117,13 @@ class InvalidRequest(PrfaasError):
     http_status = 400
 
 
+class PromptRefused(PrfaasError):
+    """A tenant's redaction hook refused the prompt (``prfaas.tenancy.redact``)."""
+
+    code = "PROMPT_REFUSED"
+    http_status = 400
+
+
 class LabUnavailable(PrfaasError):
     """``prfaas lab`` cannot run here: not root, no network namespaces, or a missing tool (ip, tc, iptables)."""
 
@@ -127,7 +134,7 @@ _BY_CODE: dict[str, type[PrfaasError]] = {
     cls.code: cls
     for cls in (
         KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
-        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, InvalidRequest,
+        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, InvalidRequest, PromptRefused,
     )
 }
 

@@ -85,6 +85,9 @@ class PrefillRequest(Message):
     push_to: str = ""
     deadline_ms: int = 0
     format_version: int = 0  # blob format to write, negotiated by the router for its readers; 0: the current
+    tenant: str = ""  # whose blob: the store's records carry it (prfaas.tenancy)
+    kv_codec: str = ""  # the tenant's codec override; "" = the prefill's kv_codec
+    kv_ttl_seconds: float = 0.0  # the tenant's TTL override for the blob; 0 = the store's
 
 
 @dataclass(frozen=True)

@@ -99,3 +99,17 @@ SIGNAL_ARRIVAL = Gauge("prfaas_router_arrival_rate_rps", "Requests finished per 
                        registry=REGISTRY)
 DRAINING = Gauge("prfaas_registry_draining_instances", "Registered instances that are draining", ["role"],
                  registry=REGISTRY)
+
+# Metering per tenant and datacenter pair (prfaas.tenancy.metering); tenants are names, never keys.
+_PAIR = ["tenant", "src_dc", "dst_dc"]
+TENANT_REQUESTS = Counter("prfaas_tenant_requests_total", "Finished requests by tenant, datacenter pair (prefilled "
+                          "in src_dc, decoded in dst_dc), route and status", [*_PAIR, "route", "status"],
+                          registry=REGISTRY)
+TENANT_PROMPT_TOKENS = Counter("prfaas_tenant_prompt_tokens_total", "Prompt tokens by tenant and datacenter pair",
+                               _PAIR, registry=REGISTRY)
+TENANT_OUTPUT_TOKENS = Counter("prfaas_tenant_output_tokens_total", "Output tokens by tenant and datacenter pair",
+                               _PAIR, registry=REGISTRY)
+TENANT_KV_WAN_BYTES = Counter("prfaas_tenant_kv_wan_bytes_total", "KV blob bytes moved between datacenters, by "
+                              "tenant and pair", _PAIR, registry=REGISTRY)
+TENANT_KV_BYTE_SECONDS = Counter("prfaas_tenant_kv_byte_seconds_total", "KV bytes × seconds held in this "
+                                 "datacenter's stores, by tenant", ["tenant", "datacenter"], registry=REGISTRY)

@@ -4,12 +4,17 @@ Selective offload: a request goes to remote prefill only if its uncached prompt 
 ``offload_threshold_tokens``, a prefill instance (and, in relay mode, a relay) is healthy and allowed by its
 breaker, and the link is healthy (``LinkMonitor``). Otherwise it is prefilled on the decode instance, unless
 ``fallback_local_prefill`` is off, in which case a remote-sized prompt without a remote path is refused.
+
+A tenant's policy (``prfaas.tenancy``) narrows the choice before anything else is weighed: only prefill instances
+and relays in datacenters that may hold its KV, and none outside ``home`` when its prompt may not leave it. With
+no instance left, the request stays local, with the policy's reason, whatever ``fallback_local_prefill`` says.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prfaas.config import Config
 from prfaas.errors import KVUnavailable, RateLimited
@@ -19,6 +24,9 @@ from prfaas.scheduler.link import LinkMonitor
 from prfaas.scheduler.placement import decode_candidates, pick_decode, pick_prefill
 from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.scheduler.speed import PrefillSpeed
+
+if TYPE_CHECKING:
+    from prfaas.tenancy.policy import TenantPolicy
 
 REMOTE, LOCAL = "remote", "local"
 
@@ -54,11 +62,17 @@ class Scheduler:
                                        self.breakers.allow)
         return pick_decode(candidates, self.rng)
 
-    def route(self, tokens: int, prefills: list[InstanceInfo], relays: list[InstanceInfo]) -> Decision:
+    def route(self, tokens: int, prefills: list[InstanceInfo], relays: list[InstanceInfo],
+              tenant: TenantPolicy | None = None, home: str = "") -> Decision:
         threshold = self.config.offload_threshold_tokens
         if tokens <= threshold:
             return Decision(LOCAL, "below_threshold", f"prompt of {tokens} tokens is within the offload "
                             f"threshold of {threshold}")
+        if tenant is not None:
+            refusal = _narrow(tenant, home, prefills, relays if self.mode == "relay" else [])
+            if isinstance(refusal, Decision):
+                return refusal
+            prefills, relays = refusal
         prefill = pick_prefill(prefills, tokens, self.speeds, self.breakers.allow)
         relay = pick_decode(relays, self.rng) if self.mode == "relay" else None
         if prefill is None:
@@ -78,3 +92,17 @@ class Scheduler:
 
     def prefill_done(self, instance_id: str, tokens: int, seconds: float) -> None:
         self.speeds.setdefault(instance_id, PrefillSpeed()).observe(tokens, seconds)
+
+
+def _narrow(tenant: TenantPolicy, home: str, prefills: list[InstanceInfo], relays: list[InstanceInfo],
+            ) -> Decision | tuple[list[InstanceInfo], list[InstanceInfo]]:
+    """The prefills and relays ``tenant`` may use, or a local ``Decision`` saying why none is left."""
+    refusals = [tenant.offload_refusal(home, p.datacenter, None) for p in prefills]
+    allowed = [p for p, why in zip(prefills, refusals, strict=True) if why is None]
+    relay_refusals = [tenant.offload_refusal(home, home, r.datacenter) for r in relays]
+    allowed_relays = [r for r, why in zip(relays, relay_refusals, strict=True) if why is None]
+    for candidates, whys, everything in ((allowed, refusals, prefills), (allowed_relays, relay_refusals, relays)):
+        if everything and not candidates:
+            code, why = next(w for w in whys if w is not None)
+            return Decision(LOCAL, code, f"{why}; prefilled locally")
+    return allowed, allowed_relays

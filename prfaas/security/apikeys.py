@@ -1,10 +1,12 @@
 """Public API keys on the router (``Authorization: Bearer <key>``) and the start-up exposure check.
 
 Config: ``api_keys`` is a list whose items are either a key string (named ``key-<n>``) or a mapping
-``{name, key, rate_limit_qps}``. Keys are compared in constant time (``hmac.compare_digest``, against every key,
-so the time does not say which one came close); only key *names* ever reach logs, metrics or responses. Each key
-may carry its own token-bucket rate limit (429 with ``Retry-After``). With no keys configured the guard lets every
-request through: ``check_exposure`` makes sure that only happens on loopback (or with TLS, or ``--insecure``).
+``{name, key, rate_limit_qps, tenant}``. A key's ``tenant`` (default ``default``) is whose requests it makes: the
+guard puts it in the request's ``state`` for the router (``prfaas.tenancy``). Keys are compared in constant time
+(``hmac.compare_digest``, against every key, so the time does not say which one came close); only key *names* ever
+reach logs, metrics or responses. Each key may carry its own token-bucket rate limit (429 with ``Retry-After``).
+With no keys configured the guard lets every request through: ``check_exposure`` makes sure that only happens on
+loopback (or with TLS, or ``--insecure``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prfaas.config import Config
 from prfaas.errors import InvalidRequest
 from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import tls
+from prfaas.tenancy.policy import DEFAULT_TENANT, parse_policy
 
 log = logging.getLogger("prfaas.security")
 PROTECTED = ("/v1/", "/admin/")
@@ -33,6 +36,7 @@ class ApiKey:
     name: str
     secret: bytes = field(repr=False)
     bucket: TokenBucket | None = None
+    tenant: str = DEFAULT_TENANT
 
     def __repr__(self) -> str:  # never print the secret
         return f"ApiKey(name={self.name!r})"
@@ -43,14 +47,16 @@ def parse_keys(items: Sequence[Any]) -> list[ApiKey]:
     keys: list[ApiKey] = []
     for n, item in enumerate(items):
         spec = {"key": item} if isinstance(item, str) else dict(item) if isinstance(item, dict) else None
-        if spec is None or set(spec) - {"name", "key", "rate_limit_qps"}:
-            raise InvalidRequest(f"api_keys[{n}]: a key string or {{name, key, rate_limit_qps}}")
+        if spec is None or set(spec) - {"name", "key", "rate_limit_qps", "tenant"}:
+            raise InvalidRequest(f"api_keys[{n}]: a key string or {{name, key, rate_limit_qps, tenant}}")
         secret, name, qps = str(spec.get("key") or ""), str(spec.get("name") or f"key-{n}"), spec.get("rate_limit_qps")
         if len(secret) < 16:
             raise InvalidRequest(f"api_keys[{n}] ({name}): keys must be at least 16 characters")
         if any(hmac.compare_digest(secret.encode(), k.secret) for k in keys) or name in {k.name for k in keys}:
             raise InvalidRequest(f"api_keys[{n}] ({name}): duplicate key or name")
-        keys.append(ApiKey(name, secret.encode(), TokenBucket(float(qps)) if qps else None))
+        tenant = str(spec.get("tenant") or DEFAULT_TENANT)
+        parse_policy(tenant, {})  # a valid tenant name
+        keys.append(ApiKey(name, secret.encode(), TokenBucket(float(qps)) if qps else None, tenant))
     return keys
 
 
@@ -84,6 +90,7 @@ class ApiKeyGuard:
         if wait > 0:
             return await _reply(send, 429, f"rate limit of API key {key.name!r} exceeded", "RATE_LIMITED",
                                 "rate_limit_error", retry_after=TokenBucket.retry_after(wait))
+        scope.setdefault("state", {})["tenant"] = key.tenant
         await self.app(scope, receive, send)
 
 

@@ -30,6 +30,7 @@ from prfaas.scheduler import Decision, Scheduler
 from prfaas.security import runtime as tls_runtime
 from prfaas.services.registry import Registry
 from prfaas.store.abandon import release_abandoned
+from prfaas.tenancy.policy import TenantPolicy
 
 QUEUE_POLL_S = 0.05
 _DEAD = (httpx.TransportError,)
@@ -51,6 +52,9 @@ class Job:
     last_token_at: float | None = None
     generated: list[int] = field(default_factory=list)
     pool: str = ""  # the pool key (registry.py) every instance of this request comes from; "" = any
+    tenant: TenantPolicy = field(default_factory=TenantPolicy)
+    prefill_dc: str = ""  # where its KV was computed (the decode's datacenter on the local route)
+    decode_dc: str = ""
 
 
 class Dispatcher:
@@ -87,7 +91,7 @@ class Dispatcher:
         deadline = time.monotonic() + self.config.decode_queue_timeout_ms / 1e3
         while True:
             instances = [self._view(i) for i in self.registry.healthy("decode", job.pool or None)
-                         if i.instance_id not in exclude]
+                         if i.instance_id not in exclude and job.tenant.allows(i.datacenter)]
             best = self.scheduler.decode_for(instances, max((i.kv_bytes(tokens) for i in instances), default=0))
             if best is not None:
                 return best
@@ -95,7 +99,8 @@ class Dispatcher:
                 raise KVUnavailable(f"the request needs {instances[0].kv_bytes(tokens)} KV bytes, more than any "
                                     f"decode instance holds ({max(i.kv_budget_bytes for i in instances)})")
             if time.monotonic() >= deadline:
-                raise KVUnavailable("no decode instance had room within the queue deadline; retry later")
+                where = f" in tenant {job.tenant.name}'s datacenters" if job.tenant.allowed_datacenters else ""
+                raise KVUnavailable(f"no decode instance{where} had room within the queue deadline; retry later")
             await asyncio.sleep(QUEUE_POLL_S)
 
     def _view(self, info: InstanceInfo) -> InstanceInfo:
@@ -113,7 +118,9 @@ class Dispatcher:
     async def _attempt(self, job: Job, decode: InstanceInfo) -> AsyncIterator[dict[str, Any]]:
         resumed = bool(job.generated)
         decision = self.scheduler.route(len(job.token_ids), self.registry.healthy("prefill", job.pool or None),
-                                        self.registry.healthy("relay", job.pool or None)) if not resumed else None
+                                        self.registry.healthy("relay", job.pool or None), job.tenant,
+                                        decode.datacenter) if not resumed else None
+        job.decode_dc, job.prefill_dc = decode.datacenter, job.prefill_dc if resumed else decode.datacenter
         if decision is not None:
             job.extension.update(route=decision.route, reason=decision.reason, decode_instance=decode.instance_id,
                                  retries=job.extension.get("retries", 0), fallback=False)
@@ -135,6 +142,7 @@ class Dispatcher:
             raise exc
         code = exc.code if isinstance(exc, PrfaasError) else KVUnavailable.code
         metrics.FALLBACKS.labels(reason=code).inc()
+        job.prefill_dc = job.decode_dc
         job.extension.update(route="local", fallback=True, retries=job.extension.get("retries", 0) + 1,
                              reason=f"remote prefill failed ({code}: {exc}); prefilled locally")
 
@@ -149,9 +157,11 @@ class Dispatcher:
         assert prefill is not None
         kv_id = new_kv_id(Fingerprint.from_wire(decode.fingerprint).short_hash())
         job.extension.update(kv_id=kv_id, prefill_instance=prefill.instance_id)
+        job.prefill_dc = prefill.datacenter
         body = PrefillRequest(request_id=job.request_id, kv_id=kv_id, token_ids=job.token_ids,
                               sampling=job.sampling.to_json(), push_to=relay.kv_address if relay else "",
-                              format_version=self._reader_version(job))
+                              format_version=self._reader_version(job), tenant=job.tenant.name,
+                              kv_codec=job.tenant.kv_codec, kv_ttl_seconds=job.tenant.kv_ttl_seconds)
         pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
                                sampling=job.sampling.to_json(), stop=job.stop, ignore_eos=job.ignore_eos, kv_id=kv_id,
                                kv_address=relay.kv_address if relay else prefill.kv_address)

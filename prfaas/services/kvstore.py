@@ -18,6 +18,8 @@ from prfaas.audit import AuditLog
 from prfaas.config import Config
 from prfaas.obs import metrics
 from prfaas.store import AccessRecord, BlobStore, DeletionRecord, FrameBackend, MemoryBackend, accessing
+from prfaas.store.sealed import SealedBackend, load_master_key
+from prfaas.tenancy import metering
 from prfaas.transfer import TransferServer
 
 log = logging.getLogger("prfaas.store")
@@ -25,13 +27,13 @@ log = logging.getLogger("prfaas.store")
 
 class StoreRuntime:
     def __init__(self, config: Config, instance_id: str) -> None:
-        self.instance_id = instance_id
+        self.instance_id, self.datacenter = instance_id, config.datacenter
         self.audit = AuditLog(config.audit_log.replace("{instance}", instance_id), instance_id) \
             if config.audit_log else None
         backend = _backend(config, instance_id)
         if self.audit:
             self.audit.opened(backend=backend.name, ttl_s=config.kv_ttl_seconds,
-                              budget_bytes=config.store_budget_bytes)
+                              budget_bytes=config.store_budget_bytes, datacenter=config.datacenter)
         self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._deleted,
                                backend=backend, on_access=self._accessed, owner=instance_id)
         if self.audit:
@@ -80,6 +82,7 @@ class StoreRuntime:
 
     def _deleted(self, record: DeletionRecord) -> None:
         metrics.KV_BLOBS.labels(reason=record.reason).inc()
+        metering.held(record, self.datacenter)
         metrics.STORE_BLOB_LIFETIME.labels(reason=record.reason).observe(
             max(0, record.deleted_ms - record.created_ms) / 1000)
         if self.audit:
@@ -93,11 +96,15 @@ class StoreRuntime:
 
 
 def _backend(config: Config, instance_id: str) -> FrameBackend:
+    """The configured backend, sealed (AES-256-GCM per blob) when a store master key is configured."""
+    backend: FrameBackend = MemoryBackend()
     if config.store_backend == "redis":
         from prfaas.store.redis_backend import RedisBackend
 
-        return RedisBackend(config.redis_url, f"prfaas:kv:{instance_id}:", config.redis_maxmemory_policy or None)
-    return MemoryBackend()
+        backend = RedisBackend(config.redis_url, f"prfaas:kv:{instance_id}:", config.redis_maxmemory_policy or None,
+                               ca=config.redis_ca)
+    master_key = load_master_key(config.store_key_file)
+    return SealedBackend(backend, master_key) if master_key else backend
 
 
 class IdentifiedTransferServer(TransferServer):

@@ -76,16 +76,18 @@ class PrefillService:
         if version != fingerprint.format_version:
             fingerprint = dataclasses.replace(fingerprint, format_version=version)
         return BlobHeader(kv_id=check_kv_id(request.kv_id), fingerprint=fingerprint,
-                          codec=self.config.kv_codec, seq_len=len(request.token_ids), cache=self.engine.cache_class,
+                          codec=request.kv_codec or self.config.kv_codec,
+                          seq_len=len(request.token_ids), cache=self.engine.cache_class,
                           chunk_size=self.config.chunk_bytes, layers=self.engine.layer_table,
                           created_ms=int(time.time() * 1000))
 
     def _sink(self, request: PrefillRequest, header: bytes) -> FrameSink:
         if request.push_to:
             timeout = self.config.kv_transfer_timeout_ms / 1e3 + 30.0
-            return PushSink(request.push_to, request.kv_id, header, timeout, tls=None)
+            return PushSink(request.push_to, request.kv_id, header, timeout, tls=None, tenant=request.tenant,
+                            ttl_s=request.kv_ttl_seconds)
         assert self.store is not None, "direct mode needs the prefill's own store"
-        return StoreSink(self.store, request.kv_id, header)
+        return StoreSink(self.store, request.kv_id, header, request.tenant, request.kv_ttl_seconds)
 
     def load(self) -> dict[str, int]:
         free = self.store.stats().budget_bytes - self.store.stats().bytes if self.store else 0

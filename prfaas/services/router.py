@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -25,12 +26,14 @@ from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasE
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Scheduler
+from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import apikeys, guards
 from prfaas.security import runtime as tls_runtime
 from prfaas.services import admin_routes, http, openai_api
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
+from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, metering, redact
 
 log = logging.getLogger("prfaas.router")
 
@@ -46,6 +49,8 @@ class Router:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=tls_runtime.http_verify())
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
+        self.tenants = Tenants.from_config(config.tenants, [k.tenant for k in apikeys.parse_keys(config.api_keys)])
+        self.meter = metering.Meter(metering.router_log_path(config.audit_log))
 
     def required_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
@@ -57,26 +62,25 @@ class Router:
     def model_name(self) -> str:
         return self.registry.fingerprint.model if self.registry.fingerprint else ""
 
-    async def complete(self, body: Any, chat: bool) -> Any:
+    async def complete(self, body: Any, chat: bool, tenant: str = DEFAULT_TENANT) -> Any:
         try:
-            return await self._complete(body, chat)
+            return await self._complete(body, chat, self.tenants.policy(tenant))
         except PrfaasError as exc:
             metrics.ERRORS.labels(code=exc.code).inc()
             raise
 
-    async def _complete(self, body: Any, chat: bool) -> Any:
-        req = openai_api.parse(body, chat)
+    async def _complete(self, body: Any, chat: bool, tenant: TenantPolicy) -> Any:
+        req = _redacted(openai_api.parse(body, chat), tenant)
         pool = self.registry.choose_pool(req.model, self.scheduler.rng)  # canary weights (registry.py)
-        try:
-            self.scheduler.admit()
-        except RateLimited:
-            metrics.RATE_LIMITED.inc()
-            raise
-        tokenizer = next(iter(self.registry.healthy("decode", pool or None)), None)
+        self._admit(tenant)
+        tokenizer = next((i for i in self.registry.healthy("decode", pool or None) if tenant.allows(i.datacenter)),
+                         None)
         if tokenizer is None:
-            raise KVUnavailable("no healthy decode instance")
+            where = f" in tenant {tenant.name}'s datacenters" if tenant.allowed_datacenters else ""
+            raise KVUnavailable(f"no healthy decode instance{where}")
         job = await self._job(req, tokenizer)
-        job.pool = pool
+        job.pool, job.tenant = pool, tenant
+        job.extension["tenant"] = tenant.name
         if pool:
             job.extension.update(pool=pool, model=self.registry.models[pool].model)
         decode = await self.dispatcher.acquire_decode(job)
@@ -86,6 +90,18 @@ class Router:
             first = await anext(events)  # errors before the first token still get a proper HTTP status
             return StreamingResponse(self._sse(req, rid, job, first, events), media_type="text/event-stream")
         return await self._collect(req, rid, job, events)
+
+    def _admit(self, tenant: TenantPolicy) -> None:
+        """The cluster's rate limit, then the tenant's own; ``RateLimited`` (429) from either."""
+        try:
+            self.scheduler.admit()
+            wait = self.tenants.admit(tenant.name)
+            if wait > 0:
+                raise RateLimited(f"over tenant {tenant.name}'s rate limit of {tenant.rate_limit_qps:g} requests/s",
+                                  retry_after_s=TokenBucket.retry_after(wait))
+        except RateLimited:
+            metrics.RATE_LIMITED.inc()
+            raise
 
     async def _job(self, req: openai_api.CompletionRequest, decode: InstanceInfo) -> Job:
         reply = await self.client.post(f"{decode.url}/tokenize", json=req.tokenize_body())
@@ -155,6 +171,10 @@ class Router:
                 metrics.TPOT.observe((job.last_token_at - job.first_token_at) / (len(job.generated) - 1))
         metrics.E2E.labels(route=route).observe(time.perf_counter() - job.arrived)
         self.signals.record(len(job.token_ids), len(job.generated), route, int(job.extension.get("kv_bytes", 0)))
+        crossed = route == "remote" and job.prefill_dc != job.decode_dc
+        self.meter.record(metering.RequestUsage(
+            job.tenant.name, job.prefill_dc, job.decode_dc, route, status, len(job.token_ids), len(job.generated),
+            int(job.extension.get("kv_bytes", 0)) if crossed else 0))
 
     async def stores(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -163,6 +183,14 @@ class Router:
                 with contextlib.suppress(httpx.HTTPError):
                     out[info.instance_id] = (await self.client.get(f"{info.url}/stats")).json()
         return out
+
+
+def _redacted(req: openai_api.CompletionRequest, tenant: TenantPolicy) -> openai_api.CompletionRequest:
+    """The request with the tenant's redaction hook applied to its text (``prfaas.tenancy.redact``)."""
+    if not tenant.redact:
+        return req
+    prompt, messages = redact.apply(redact.load_hook(tenant.redact), tenant.name, req.prompt, req.messages)
+    return dataclasses.replace(req, prompt=prompt, messages=messages)
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -174,6 +202,7 @@ def create_app(router: Router) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await router.client.aclose()
+        router.meter.close()
 
     app = FastAPI(title="prfaas router", lifespan=lifespan)
     http.install_error_handlers(app)
@@ -191,11 +220,11 @@ def create_app(router: Router) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        return await router.complete(await request.json(), chat=False)
+        return await router.complete(await request.json(), chat=False, tenant=_tenant(request))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:
-        return await router.complete(await request.json(), chat=True)
+        return await router.complete(await request.json(), chat=True, tenant=_tenant(request))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -231,6 +260,11 @@ def create_app(router: Router) -> FastAPI:
 
     guards.protect_router(app, router.config)  # API keys on /v1 and /admin; roles on /internal with TLS
     return app
+
+
+def _tenant(request: Request) -> str:
+    """Whose request: set by the API-key guard from the key's tenant; ``default`` without keys."""
+    return str(getattr(request.state, "tenant", DEFAULT_TENANT))
 
 
 def run_router(config: Config, host: str, port: int, mode: str, insecure: bool = False) -> None:

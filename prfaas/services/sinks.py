@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from prfaas.security import runtime as tls_runtime
-from prfaas.store import BlobStore
+from prfaas.store import BlobStore, accessing
 from prfaas.transfer import push
 
 
@@ -25,9 +25,10 @@ class FrameSink(Protocol):
 class StoreSink:
     """Direct mode: the blob lives in this prefill's store; decode pulls it from our transfer server."""
 
-    def __init__(self, store: BlobStore, kv_id: str, header: bytes) -> None:
+    def __init__(self, store: BlobStore, kv_id: str, header: bytes, tenant: str = "", ttl_s: float = 0.0) -> None:
         self.store, self.kv_id = store, kv_id
-        store.create(kv_id, header)
+        with accessing(tenant=tenant):
+            store.create(kv_id, header, ttl_s)
 
     def put(self, frames: list[bytes]) -> None:
         for frame in frames:
@@ -46,11 +47,11 @@ class PushSink:
     the process's own TLS settings (``prfaas.security.runtime``), plaintext when there are none."""
 
     def __init__(self, address: str, kv_id: str, header: bytes, timeout_s: float,
-                 tls: ssl.SSLContext | None) -> None:
+                 tls: ssl.SSLContext | None, tenant: str = "", ttl_s: float = 0.0) -> None:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()
         self._queue.put_nowait(header)
-        self._task = asyncio.create_task(push(address, kv_id, self._frames(),
-                                                        ssl=tls or tls_runtime.client_ssl(), timeout_s=timeout_s))
+        self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls or tls_runtime.client_ssl(),
+                                              timeout_s=timeout_s, tenant=tenant, ttl_s=ttl_s))
 
     async def _frames(self) -> AsyncIterator[bytes]:
         while frame := await self._queue.get():  # an empty frame marks the end

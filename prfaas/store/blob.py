@@ -24,6 +24,8 @@ class Blob:
     payload: int = 0
     readers: int = 0
     ended: str | None = None
+    tenant: str = ""
+    ttl_s: float = 0.0  # this blob's own TTL (a tenant's override); 0: the store's
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
     @classmethod

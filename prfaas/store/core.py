@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 
 from prfaas.errors import InvalidRequest, KVStoreFull, KVTimeout, KVUnavailable, PrfaasError
-from prfaas.store import checks
+from prfaas.store import access, checks
 from prfaas.store import records as r
 from prfaas.store.backend import HEADER, TRAILER, FrameBackend, MemoryBackend
 from prfaas.store.blob import Blob
@@ -62,17 +62,22 @@ class BlobStore:
 
     # -- writer side -------------------------------------------------------------------------------------------
 
-    def create(self, kv_id: str, header_frame: bytes) -> None:
-        """Start a blob (state writing). ``InvalidRequest`` if ``kv_id`` is live or was used before,
-        ``KVBadFormat``/``KVCorrupt`` for a bad header frame or one naming another id, ``KVStoreFull`` when even
-        evicting idle ready blobs leaves no room, ``KVUnavailable`` after ``close`` or when the backend is down."""
+    def create(self, kv_id: str, header_frame: bytes, ttl_s: float = 0.0) -> None:
+        """Start a blob (state writing), owned by the tenant of the current ``accessing`` block, with its own
+        ``ttl_s`` when given (else the store's). ``InvalidRequest`` if ``kv_id`` is live or was used before, or
+        ``ttl_s`` is negative; ``KVBadFormat``/``KVCorrupt`` for a bad header frame or one naming another id,
+        ``KVStoreFull`` when even evicting idle ready blobs leaves no room, ``KVUnavailable`` after ``close`` or
+        when the backend is down."""
         with self._audit(r.CREATE, kv_id, len(header_frame)):
             header, frame = checks.header(kv_id, header_frame)
+            if ttl_s < 0:
+                raise InvalidRequest(f"blob TTL must be positive, not {ttl_s}")
             with self._lock:
                 self._check_new(kv_id)
                 self._make_room(len(frame))
-                blob = Blob(kv_id, header.chunk_size, self._clock(), self._ledger.now_ms(), nbytes=len(frame))
-                self.backend.start(blob.meta(), frame, self.ttl_s)
+                blob = Blob(kv_id, header.chunk_size, self._clock(), self._ledger.now_ms(), nbytes=len(frame),
+                            tenant=access.current().tenant, ttl_s=ttl_s)
+                self.backend.start(blob.meta(), frame, ttl_s or self.ttl_s)
                 self._gone.pop(kv_id, None)
                 self._live[kv_id] = blob
                 self._bytes += len(frame)
@@ -95,6 +100,7 @@ class BlobStore:
         trailer disagrees with the chunks received. The few trailer bytes are never refused for budget."""
         with self._lock, self._audit(r.FINISH, kv_id, 0) as sizes:
             blob = self._writing(kv_id)
+            sizes.tenant = blob.tenant
             blob.ready, blob.payload_xxh64 = True, checks.trailer(blob, trailer_frame).payload_xxh64
             blob.nbytes += len(trailer_frame)
             self._store(blob, TRAILER, bytes(trailer_frame), len(trailer_frame))
@@ -105,7 +111,7 @@ class BlobStore:
         it has already ended."""
         with self._lock, self._audit(r.ABORT, kv_id, 0) as sizes:
             blob = self._lookup(kv_id)
-            sizes.bytes = blob.nbytes
+            sizes.bytes, sizes.tenant = blob.nbytes, blob.tenant
             return self._end(blob, reason if reason in r.REASONS else r.ABORTED)
 
     # -- reader side -------------------------------------------------------------------------------------------
@@ -118,6 +124,7 @@ class BlobStore:
         An error mid-blob ends the stream: a reader never gets a blob with frames missing."""
         with self._audit(r.READ, kv_id, 0, outcome="incomplete") as served:  # until the trailer is out
             blob, header = self._open(kv_id, from_chunk)
+            served.tenant = blob.tenant
             try:
                 served.bytes += len(header)
                 yield header
@@ -144,7 +151,7 @@ class BlobStore:
         passed first)."""
         with self._lock, self._audit(r.RELEASE, kv_id, 0) as sizes:
             blob = self._lookup(kv_id)
-            sizes.bytes = blob.nbytes
+            sizes.bytes, sizes.tenant = blob.nbytes, blob.tenant
             return self._end(blob, r.RELEASED)
 
     # -- housekeeping ------------------------------------------------------------------------------------------
@@ -189,7 +196,7 @@ class BlobStore:
             tally.outcome = exc.code
             raise
         finally:
-            self._ledger.access(action, kv_id, tally.bytes, tally.outcome)
+            self._ledger.access(action, kv_id, tally.bytes, tally.outcome, tally.tenant)
 
     def _check_new(self, kv_id: str) -> None:
         if self._closed:
@@ -213,7 +220,7 @@ class BlobStore:
         return blob
 
     def _expired(self, blob: Blob) -> bool:
-        return self._clock() - blob.created >= self.ttl_s
+        return self._clock() - blob.created >= (blob.ttl_s or self.ttl_s)
 
     def _make_room(self, need: int) -> None:
         """Evict least recently used ready blobs nobody is reading until ``need`` more bytes fit."""
@@ -251,7 +258,7 @@ class BlobStore:
         except PrfaasError as exc:  # the backend's own TTL deletes it later; the record stands
             log.warning("could not drop %s from the %s backend: %s", blob.kv_id, self.backend.name, exc)
         blob.wake()
-        return self._ledger.ended(blob, reason)
+        return self._ledger.ended(blob, reason, key_destroyed=getattr(self.backend, "sealed", False))
 
     def _adopt(self) -> None:
         """Blobs a previous store left in the backend: ready ones live on (TTL from their creation), the rest end

@@ -32,6 +32,7 @@ class Tally:
 
     bytes: int
     outcome: str
+    tenant: str = ""
 
 
 class Ledger:
@@ -44,9 +45,9 @@ class Ledger:
     def now_ms(self) -> int:
         return int(self._wall() * 1000)
 
-    def ended(self, blob: Blob, reason: str) -> DeletionRecord:
+    def ended(self, blob: Blob, reason: str, key_destroyed: bool = False) -> DeletionRecord:
         record = DeletionRecord(blob.kv_id, reason, blob.nbytes, blob.chunks, blob.payload_xxh64,
-                                blob.created_ms, self.now_ms())
+                                blob.created_ms, self.now_ms(), blob.tenant, key_destroyed)
         self.deleted += 1
         self.records.append(record)
         if len(self.records) > MAX_RECORDS:
@@ -54,12 +55,12 @@ class Ledger:
         _call(self.on_delete, record)
         return record
 
-    def access(self, action: str, kv_id: str, nbytes: int, outcome: str = OK) -> None:
+    def access(self, action: str, kv_id: str, nbytes: int, outcome: str = OK, tenant: str = "") -> None:
         if self.on_access is None:
             return
         who = access.current()
         _call(self.on_access, AccessRecord(action, kv_id, who.who or self.owner, who.purpose, nbytes, outcome,
-                                           self.now_ms()))
+                                           self.now_ms(), tenant or who.tenant))
 
 
 def _call(callback: Callable[[R], None] | None, record: R) -> None:

@@ -24,8 +24,9 @@ OK = "ok"
 
 @dataclass(frozen=True)
 class DeletionRecord:
-    """The end of one blob: why, how big, the whole-payload xxHash64 (``None`` if it never finished), and when
-    it was created and deleted (unix milliseconds)."""
+    """The end of one blob: why, how big, the whole-payload xxHash64 (``None`` if it never finished), when it
+    was created and deleted (unix milliseconds), its tenant, and whether its data key was destroyed with it
+    (encryption at rest: ``prfaas.store.sealed``)."""
 
     kv_id: str
     reason: str
@@ -34,6 +35,8 @@ class DeletionRecord:
     payload_xxh64: int | None
     created_ms: int
     deleted_ms: int
+    tenant: str = ""
+    key_destroyed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,7 +46,8 @@ class DeletionRecord:
 class AccessRecord:
     """One access to one blob: ``who`` (the authenticated peer, or this store's owner for local calls), the
     ``action``, ``bytes`` involved (written so far, served, or released), ``purpose`` (the request id when the
-    caller gave one), ``outcome`` (``ok`` or the error code returned) and when (unix milliseconds)."""
+    caller gave one), ``outcome`` (``ok`` or the error code returned), when (unix milliseconds), and the tenant
+    of the blob (``""`` when none or unknown)."""
 
     action: str
     kv_id: str
@@ -52,6 +56,7 @@ class AccessRecord:
     bytes: int
     outcome: str
     at_ms: int
+    tenant: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

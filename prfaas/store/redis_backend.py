@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import ssl
 from collections.abc import Iterator
+from typing import Any
 
 import redis
 
@@ -65,10 +68,21 @@ def _meta_fields(meta: BlobMeta) -> list[str | int]:
 class RedisBackend:
     name = "redis"
 
-    def __init__(self, url: str, prefix: str, policy: str | None = "noeviction", timeout_s: float = 5.0) -> None:
-        """Connect to ``url`` (``redis://host:port/db`` or ``unix:///path``); ``KVUnavailable`` if unreachable."""
+    def __init__(self, url: str, prefix: str, policy: str | None = "noeviction", timeout_s: float = 5.0,
+                 ca: str = "") -> None:
+        """Connect to ``url`` (``redis://host:port/db``, ``rediss://`` for TLS verified against ``ca`` or the
+        system's CAs, ``unix:///path``; ACL credentials as ``redis://user:password@host``, or from
+        ``$PRFAAS_REDIS_USERNAME`` / ``$PRFAAS_REDIS_PASSWORD`` so they stay out of config files);
+        ``KVUnavailable`` if unreachable or the credentials are refused."""
         self.prefix = prefix
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+        for name in ("username", "password"):
+            if os.environ.get(f"PRFAAS_REDIS_{name.upper()}"):
+                options[name] = os.environ[f"PRFAAS_REDIS_{name.upper()}"]
+        if url.startswith("rediss://"):
+            options.update(ssl_cert_reqs="required", ssl_min_version=ssl.TLSVersion.TLSv1_2,
+                           **({"ssl_ca_certs": ca} if ca else {}))
+        self.client = redis.Redis.from_url(url, **options)
         with mapped("connect"):
             self.client.ping()
         self._put_if_live = self.client.register_script(_PUT_IF_LIVE)

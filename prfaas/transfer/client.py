@@ -33,9 +33,11 @@ EARLY_REPLY_S = 0.5
 
 async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable[bytes], *,
                ssl: ssl_module.SSLContext | None = None, timeout_s: float, idle_s: float = 30.0,
-               deadline_s: float | None = None, limit: stats.InflightLimit | None = None) -> None:
+               deadline_s: float | None = None, limit: stats.InflightLimit | None = None, tenant: str = "",
+               ttl_s: float = 0.0) -> None:
     """Stream blob ``kv_id`` (its frames: header, chunks, trailer) into the store at ``address`` as ``frames``
-    yields them; returns once the store holds the whole blob. ``timeout_s`` bounds each network wait; ``idle_s``
+    yields them; returns once the store holds the whole blob, kept for ``tenant`` (its records say so) for
+    ``ttl_s`` (0: the store's TTL). ``timeout_s`` bounds each network wait; ``idle_s``
     is how long the server waits for the next frame (the producer's pace). On failure the server aborts the
     blob (no partial blob is left) and its error (``KVStoreFull``, ``KVCorrupt``, …) is raised here; transport
     failures raise ``KVUnavailable``/``KVTruncated``/``KVTimeout``. No retry: ``frames`` cannot be replayed.
@@ -46,7 +48,8 @@ async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable
         start, sent = time.perf_counter(), [0]
         try:
             async with asyncio.timeout(deadline_s):
-                await _push(address, kv_id, frames, ssl, timeout_s, idle_s, sent)
+                await _push(address, p.Put(kv_id, max(1, int(idle_s * 1000)), tenant, int(ttl_s * 1000)), frames, ssl,
+                            timeout_s, sent)
         except TimeoutError as exc:
             recorder.finished(False, time.perf_counter() - start, 0, KVTimeout.code)
             raise KVTimeout(f"push {kv_id}: blob deadline of {deadline_s} s passed") from exc
@@ -56,14 +59,15 @@ async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable
         recorder.finished(True, time.perf_counter() - start, sent[0])
 
 
-async def _push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable[bytes],
-                ssl: ssl_module.SSLContext | None, timeout_s: float, idle_s: float, sent: list[int]) -> None:
+async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterable[bytes],
+                ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int]) -> None:
+    kv_id = put.kv_id
     conn = await connect(address, ssl, timeout_s)
     reply = asyncio.create_task(p.read_message(conn))
     try:
         with mapped(f"push {kv_id}"):
             try:
-                await conn.sendall(p.encode(p.Put(kv_id, max(1, int(idle_s * 1000)))))
+                await conn.sendall(p.encode(put))
                 await _send_frames(conn, frames, timeout_s, reply, sent)
             except (OSError, PrfaasError):
                 await _raise_early_reply(reply)  # the server stopped reading: its error says why

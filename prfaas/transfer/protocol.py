@@ -10,7 +10,7 @@ Every unit on the wire is a *frame* whose first byte says what it is::
 
 Exchanges (client → server, then server → client)::
 
-    Put(kv_id, wait_ms)            P C* T          →  Ok | Error       push a blob into the server's store
+    Put(kv_id, wait_ms, tenant, ttl_ms)  P C* T    →  Ok | Error       push a blob into the server's store
     Get(kv_id, from_chunk, wait_ms, stride, offset) →  Ok P C* T | Error  read a blob (resume: from_chunk > 0)
     Release(kv_id)                                 →  DeletionRecord | Error
     Stat()                                         →  StoreStats | Error
@@ -61,6 +61,8 @@ _MSG_HEAD = struct.Struct(">cII")
 class Put:
     kv_id: str
     wait_ms: int
+    tenant: str = ""  # whose blob (its records carry it); "" = none
+    ttl_ms: int = 0  # the blob's own TTL (a tenant's override); 0 = the store's
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,8 @@ _TAGS: dict[str, type[Any]] = {
     "released": DeletionRecord, "stats": StoreStats,
 }
 _TAG_OF = {cls: tag for tag, cls in _TAGS.items()}
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "int | None": (int, type(None))}
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "int | None": (int, type(None)),
+                                             "bool": (bool,)}
 
 
 def encode(message: Message) -> bytes:

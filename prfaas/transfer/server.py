@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
+from prfaas.store.access import accessing
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import protocol as p
 from prfaas.transfer import tcp
@@ -147,7 +148,8 @@ class TransferServer:
         if first.tag != b"P":
             raise KVBadFormat("a Put must start with the blob's header frame")
         header, frame = parse_header(first.whole)
-        self.store.create(request.kv_id, frame)
+        with accessing(tenant=request.tenant):
+            self.store.create(request.kv_id, frame, ttl_s=request.ttl_ms / 1000)
         try:
             while not await self._put_frame(request.kv_id, conn, header.chunk_size, wait_s):
                 pass
