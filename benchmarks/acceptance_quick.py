@@ -26,14 +26,15 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threshold", type=int, default=256)
     parser.add_argument("--out", default=str(HERE / "results" / "acceptance-quick"))
+    parser.add_argument("--port", type=int, default=8300, help="the lab deployment's router; the baseline's is +1")
     parser.add_argument("bench_args", nargs="*", help="extra arguments for prfaas bench run")
     args = parser.parse_args()
     config = str(HERE / "acceptance-config.yaml")
     log = str(Path(args.out).with_suffix(".log"))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     common = {"model": args.model, "dtype": args.dtype, "config": config, "log_file": log}
-    baseline = Deployment(UpOptions(port=8301, offload_threshold=1_000_000, **common))
-    remote = Deployment(UpOptions(port=8300, offload_threshold=args.threshold, lab=True, **common))
+    baseline = Deployment(UpOptions(port=args.port + 1, offload_threshold=1_000_000, **common))
+    remote = Deployment(UpOptions(port=args.port, offload_threshold=args.threshold, lab=True, **common))
     with Lab(LinkSettings(rate="1gbit")):
         try:
             for deployment in (baseline, remote):

@@ -1,0 +1,62 @@
+"""CI's quick acceptance profile: the real embedded model (SmolLM2-135M), ``prfaas up --lab`` in the lab's two
+datacenters, a monolithic baseline, and ``prfaas bench run --quick`` with every network condition
+(``benchmarks/acceptance_quick.py``). Checks the report's structure, that the faults were really applied through
+the lab, and that acceptance passes in normal conditions. About two minutes; root and namespaces needed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prfaas.lab import Topology, missing_support
+from prfaas.lab.system import namespaces
+
+ROOT = Path(__file__).resolve().parents[2]
+REASON = missing_support()
+
+
+def _skip_reason() -> str | None:
+    if REASON is not None:
+        return f"lab unavailable here: {REASON}"
+    if Topology().ns_a in namespaces():  # the quick run needs the default lab, and never changes one in use
+        return "a lab is already up (dc-a exists): the quick profile would have to take it over"
+    return None
+
+
+@pytest.mark.slow
+def test_quick_profile_through_the_lab_passes_in_normal_conditions(tmp_path: Path) -> None:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "quick"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "acceptance_quick.py"), "--out", str(out),
+                           "--port", "8390", "--", "--quiet"], capture_output=True, text=True, timeout=420)
+    assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: some fault cell failed acceptance (reported)
+    assert Topology().ns_a not in namespaces(), "the lab was left up"
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["network_control"] == "lab" and results["meta"]["model"] == "smollm2-135m"
+    cells = {c["key"]: c for c in results["cells"]}
+    assert set(cells) == {f"in1024-out32-c{c}-{n}" for c in (1, 4) for n in ("normal", "delay", "loss", "cut")}
+    assert {c["load_key"] for c in results["baseline_cells"]} == {"in1024-out32-c1", "in1024-out32-c4"}
+    for cell in cells.values():
+        assert not cell.get("skipped"), cell
+        m = cell["metrics"]
+        assert m["requests"] >= 1 and set(m["ttft_ms"]) >= {"p50", "p90", "p99"}
+        assert {"success_rate", "retry_rate", "degrade_rate", "transfer_ms"} <= set(m["transfer"])
+        assert m["kv"]["available"] and set(m["resources"]) >= {"cpu_percent_mean", "wan_gbps_mean"}
+        assert {c["name"] for c in cell["verdict"]["checks"]} >= {"ttft_p50_ms", "ttft_p99_ms", "success_rate",
+                                                                "transfer_success", "retry_rate", "degrade_rate"}
+        assert cell["link"]["rate"] == "1gbit"
+    assert cells["in1024-out32-c1-delay"]["link"]["delay_ms"] == 10
+    assert cells["in1024-out32-c1-loss"]["link"]["loss"] == 0.01
+    assert all(cells[f"in1024-out32-c{c}-cut"]["fault_window"] for c in (1, 4))
+    text = (out / "report.md").read_text()
+    assert "| cell | n | ok % | TTFT P50" in text and "## Why cells failed" in text
+    assert (out / "report.html").exists() and (out / "report.png").stat().st_size > 0
+    for c in (1, 4):
+        verdict = cells[f"in1024-out32-c{c}-normal"]["verdict"]
+        assert verdict["pass"], f"normal c{c} failed acceptance: {verdict['checks']} (stdout: {done.stdout[-2000:]})"
