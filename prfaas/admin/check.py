@@ -26,7 +26,7 @@ def check(instances: list[dict[str, Any]], pools: dict[str, Any]) -> list[Findin
     return sorted(found, key=lambda f: order[f.level])
 
 
-def _key(info: dict[str, Any]) -> str:
+def pool_key(info: dict[str, Any]) -> str:
     return Fingerprint.from_wire(info["fingerprint"]).pool_key() if info.get("fingerprint") else ""
 
 
@@ -42,7 +42,7 @@ def _pools(instances: list[dict[str, Any]], pools: dict[str, Any]) -> list[Findi
     roles: dict[str, set[str]] = defaultdict(set)
     fps: dict[str, Fingerprint] = {}
     for info in instances:
-        key = _key(info)
+        key = pool_key(info)
         if key:
             roles[key].add(info["role"])
             fps[key] = Fingerprint.from_wire(info["fingerprint"])

@@ -1,58 +1,103 @@
-"""``prfaas admin drain|check|weight|recommend``: operator commands against a running router."""
+"""``prfaas admin drain|drain-router|check|weight|rollout|recommend``: operator commands against a running router.
+
+Every command takes ``--router`` and, where the router has API keys, ``--api-key`` (or ``$PRFAAS_API_KEY``); the
+key is sent as a bearer token and never printed. A refusal or an unreachable router prints one line, exit 2.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 import typer
 
-app = typer.Typer(help="Operate a running deployment: drain, pre-flight check, canary weights, scaling advice.",
-                  no_args_is_help=True)
+from prfaas.admin.client import API_KEY_ENV, AdminError, RouterClient
+
+app = typer.Typer(help="Operate a running deployment: drain, pre-flight check, canary weights and rollouts, "
+                  "scaling advice.", no_args_is_help=True)
 ROUTER = typer.Option("http://127.0.0.1:8000", "--router", help="the router's URL")
+API_KEY = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_envvar=True, show_default=False,
+                       help="an API key of the router, when it has keys (never printed)")
 JSON = typer.Option(False, "--json", help="print one JSON object on the last line")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _get(router: str, path: str) -> Any:
-    reply = httpx.get(f"{router.rstrip('/')}{path}", timeout=10.0)
-    reply.raise_for_status()
-    return reply.json()
+def refusals(fn: F) -> F:
+    """An ``AdminError`` (router unreachable or refusing) becomes one line on stderr and exit 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except AdminError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2) from None
+
+    return wrapper  # type: ignore[return-value]
 
 
 @app.command()
+@refusals
 def drain(instance: str = typer.Argument(..., help="instance id, as in /admin/instances"), router: str = ROUTER,
+          api_key: str | None = API_KEY,
           wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the instance has left"),
           timeout: str = typer.Option("10m", "--timeout", help="how long --wait waits")) -> None:
     """Stop routing to INSTANCE, let it finish what it holds, and have it exit (as SIGTERM does)."""
+    from prfaas.admin.rollout import drain_instance
     from prfaas.units import parse_duration
 
-    reply = httpx.post(f"{router.rstrip('/')}/admin/drain/{instance}", timeout=10.0)
-    if reply.status_code != 200:
-        typer.echo(f"error: {reply.json().get('error', {}).get('message', reply.text)}", err=True)
-        raise typer.Exit(2)
-    typer.echo(f"{instance}: draining (deadline {reply.json().get('deadline_s', '?')} s)")
+    client = RouterClient(router, api_key)
+    if not wait:
+        reply = client.post(f"/admin/drain/{instance}")
+        typer.echo(f"{instance}: draining (deadline {reply.get('deadline_s', '?')} s)")
+        return
+    reply, took = drain_instance(client, instance, parse_duration(timeout))
+    typer.echo(f"{instance}: draining (deadline {reply.get('deadline_s', '?')} s)")
+    if took is None:
+        typer.echo(f"{instance}: still registered after {timeout}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{instance}: drained and gone after {took:.1f} s")
+
+
+@app.command("drain-router")
+@refusals
+def drain_router(router: str = ROUTER, api_key: str | None = API_KEY,
+                 wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the router has exited"),
+                 timeout: str = typer.Option("10m", "--timeout", help="how long --wait waits")) -> None:
+    """Drain the router itself (as SIGTERM does): new requests get 503, open streams finish, then it exits."""
+    from prfaas.units import parse_duration
+
+    client = RouterClient(router, api_key, timeout_s=5.0)
+    reply = client.post("/admin/drain")
+    typer.echo(f"router: draining, {reply.get('open_requests', '?')} requests open "
+               f"(deadline {reply.get('deadline_s', '?')} s)")
     started, deadline = time.monotonic(), time.monotonic() + parse_duration(timeout)
     while wait and time.monotonic() < deadline:
-        if instance not in {i["instance_id"] for i in _get(router, "/admin/instances")}:
-            typer.echo(f"{instance}: drained and gone after {time.monotonic() - started:.1f} s")
+        try:
+            client.get("/admin/pools")
+        except AdminError:  # the router has stopped listening
+            typer.echo(f"router: drained and gone after {time.monotonic() - started:.1f} s")
             return
-        time.sleep(0.5)
+        time.sleep(0.25)
     if wait:
-        typer.echo(f"{instance}: still registered after {timeout}", err=True)
+        typer.echo(f"router: still answering after {timeout}", err=True)
         raise typer.Exit(1)
 
 
 @app.command()
-def check(router: str = ROUTER, as_json: bool = JSON) -> None:
+@refusals
+def check(router: str = ROUTER, api_key: str | None = API_KEY, as_json: bool = JSON) -> None:
     """Pre-flight: compare fingerprints, blob format versions and config digests of every registered instance
     and print what would break. Exit status 1 when something would."""
     from prfaas.admin.check import ERROR, render
     from prfaas.admin.check import check as run_check
 
-    instances, pools = _get(router, "/admin/instances"), _get(router, "/admin/pools")
+    client = RouterClient(router, api_key)
+    instances, pools = client.get("/admin/instances"), client.get("/admin/pools")
     findings = run_check(instances, pools)
     typer.echo(render(findings, len(instances)))
     if as_json:
@@ -62,20 +107,49 @@ def check(router: str = ROUTER, as_json: bool = JSON) -> None:
 
 
 @app.command()
+@refusals
 def weight(model: str = typer.Argument(..., help="model name or pool key"),
            value: float = typer.Argument(..., help="traffic weight (relative to the other pools)"),
-           router: str = ROUTER) -> None:
+           router: str = ROUTER, api_key: str | None = API_KEY) -> None:
     """Shift traffic between pools (a canary step): set one pool's weight on the live router."""
-    reply = httpx.post(f"{router.rstrip('/')}/admin/pools", json={"weights": {model: value}}, timeout=10.0)
-    reply.raise_for_status()
-    for pool in reply.json()["pools"]:
+    reply = RouterClient(router, api_key).post("/admin/pools", {"weights": {model: value}})
+    for pool in reply["pools"]:
         typer.echo(f"pool {pool['pool']} {pool['model']}: weight {pool['weight']}, instances {pool['instances']}")
 
 
 @app.command()
+@refusals
+def rollout(to: str = typer.Argument(..., help="the new pool: its key, or a model name only it serves"),
+            router: str = ROUTER, api_key: str | None = API_KEY,
+            steps: str = typer.Option("10,50,100", "--steps", help="the new pool's weights, out of 100, in order"),
+            hold: str = typer.Option("60s", "--hold", help="how long each step runs before the next"),
+            drain_old: bool = typer.Option(True, "--drain/--no-drain", help="drain the old pools' instances"),
+            timeout: str = typer.Option("10m", "--timeout", help="longest wait for one instance's drain"),
+            as_json: bool = JSON) -> None:
+    """Move traffic to a new model pool step by step (rolled back on failures), then drain the old pools."""
+    from prfaas.admin.rollout import RolloutFailed
+    from prfaas.admin.rollout import rollout as run_rollout
+    from prfaas.units import parse_duration
+
+    weights = [float(s) for s in steps.split(",") if s.strip()]
+    if not weights or any(not 0 <= w <= 100 for w in weights):
+        raise typer.BadParameter("steps are weights within [0, 100], e.g. 10,50,100", param_hint="--steps")
+    try:
+        done = run_rollout(RouterClient(router, api_key), to, weights, parse_duration(hold), drain_old,
+                           parse_duration(timeout), echo=typer.echo)
+    except RolloutFailed as exc:
+        typer.echo(f"rollout stopped: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"rollout to {done.new_pool} done in {done.to_json()['duration_s']:.1f} s")
+    if as_json:
+        typer.echo(json.dumps(done.to_json()))
+
+
+@app.command()
+@refusals
 def recommend(profile: str = typer.Option(..., "--profile", help="speed profile JSON from `prfaas measure`"),
               link: str = typer.Option("10gbit", "--link", help="measured available bandwidth between datacenters"),
-              router: str = ROUTER,
+              router: str = ROUTER, api_key: str | None = API_KEY,
               signals: str | None = typer.Option(None, "--signals", help="a saved /admin/signals JSON instead"),
               utilisation: float = typer.Option(0.7, "--utilisation", help="target load of each instance"),
               budget: str = typer.Option("500ms", "--local-prefill-budget", help="longest prefill left to decode"),
@@ -86,7 +160,7 @@ def recommend(profile: str = typer.Option(..., "--profile", help="speed profile 
     from prfaas.plan.profile import SpeedProfile
     from prfaas.units import parse_duration, parse_rate
 
-    data = json.loads(Path(signals).read_text()) if signals else _get(router, "/admin/signals")
+    data = json.loads(Path(signals).read_text()) if signals else RouterClient(router, api_key).get("/admin/signals")
     advice = advise(data, SpeedProfile.from_file(profile), parse_rate(link), target_utilisation=utilisation,
                     local_prefill_budget_s=parse_duration(budget))
     typer.echo(render(advice))

@@ -6,6 +6,8 @@
 - ``GET /admin/signals``: the autoscaling signals (``prfaas.services.signals``).
 - ``POST /admin/drain/{instance_id}``: stop placing work on the instance at once and ask it to drain (it exits
   when done). 404 when unknown; 502 when the instance cannot be reached (it is still marked draining).
+- ``POST /admin/drain``: drain the router itself (``prfaas.services.drain.attach_router``; its ``Drain`` is
+  ``app.state.drain``, which ``run_router`` hands to uvicorn so that SIGTERM drains as well).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS
+from prfaas.services import drain as drain_module
 from prfaas.services import http
 from prfaas.services.registry import pool_of
 
 
 def install(app: FastAPI, router: Any) -> None:
     registry = router.registry
+    app.state.drain = drain_module.attach_router(app, router.config)
 
     @app.get("/admin/pools")
     async def pools() -> dict[str, Any]:

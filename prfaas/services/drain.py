@@ -8,6 +8,10 @@ released by its decode or expired by TTL. Idle for ``QUIET_S`` (longer than a he
 deadline (``drain_timeout_ms``; store holders at least the KV TTL) → uvicorn shuts down, the lifespan deregisters
 from the router and closes the store. A second SIGTERM forces the exit at once (open streams are cut; the router
 resumes them on another decode instance). SIGINT keeps its old meaning: stop now, with uvicorn's short grace.
+
+The router drains too (``attach_router``; SIGTERM, ``POST /admin/drain`` or ``prfaas admin drain-router``): new
+OpenAI requests get 503 ``KV_UNAVAILABLE`` with ``Retry-After`` and ``/health`` turns 503 at once, the requests
+and streams it already admitted run to their end, then it exits; a second SIGTERM forces the exit.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import uvicorn
 
 log = logging.getLogger("prfaas.drain")
 QUIET_S = 1.0
+ROUTER_QUIET_S = 0.2  # the router's gate refuses new work at once, so nothing can slip in while it waits
 POLL_S = 0.1
 _IDLE_PATHS = frozenset({"/health", "/ready", "/stats", "/metrics", "/debug/store", "/admin/drain"})
 
@@ -35,16 +40,27 @@ class OpenWork:
         self.open = 0
 
 
+def instance_work(path: str) -> bool:
+    """An instance's work: every request but health, stats and admin."""
+    return path not in _IDLE_PATHS
+
+
+def router_work(path: str) -> bool:
+    """The router's work: the OpenAI API (heartbeats and admin calls are not work to finish)."""
+    return path.startswith("/v1/")
+
+
 class WorkCounter:
-    """ASGI middleware counting open work requests (everything but health, stats and admin), streams included:
+    """ASGI middleware counting open work requests (``counts`` says which paths are work), streams included:
     a streaming response counts until its last byte is sent."""
 
-    def __init__(self, app: Any, work: OpenWork) -> None:
+    def __init__(self, app: Any, work: OpenWork, counts: Callable[[str], bool] = instance_work) -> None:
         self.app = app
         self.work = work
+        self.counts = counts
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in _IDLE_PATHS:
+        if scope["type"] != "http" or not self.counts(scope["path"]):
             await self.app(scope, receive, send)
             return
         self.work.open += 1
@@ -161,5 +177,54 @@ def attach(instance: Any) -> Drain:
     async def ready() -> JSONResponse:
         status = "draining" if drain.draining else "ready"
         return JSONResponse({"status": status, "open_requests": work.open}, status_code=503 if drain.draining else 200)
+
+    return drain
+
+
+class RouterGate:
+    """The router's side of a drain, as ASGI middleware: while draining, a new OpenAI request is answered 503
+    ``KV_UNAVAILABLE`` with ``Retry-After`` (the client retries on another router) and ``/health`` is 503 (the load
+    balancer's readiness probe takes the router out); requests already admitted run to their end."""
+
+    def __init__(self, app: Any, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.drain.draining or not (
+                router_work(scope["path"]) or scope["path"] == "/health"):
+            await self.app(scope, receive, send)
+            return
+        from fastapi.responses import JSONResponse
+
+        from prfaas.errors import KVUnavailable
+        from prfaas.services import http
+
+        if scope["path"] == "/health":
+            reply = JSONResponse({"ready": False, "draining": True}, status_code=503)
+        else:
+            reply = http.error_response(KVUnavailable("this router is draining and takes no new requests; "
+                                                      "retry on another router"))
+        await reply(scope, receive, send)
+
+
+def attach_router(app: Any, config: Any) -> Drain:
+    """Give the router its drain: the work counter over ``/v1/*``, the gate, and ``POST /admin/drain`` (answers
+    ``draining``, ``started``, ``deadline_s``, ``open_requests``). Exit once no request has been open for
+    ``ROUTER_QUIET_S`` (the gate refuses new ones meanwhile) or at ``drain_timeout_ms``."""
+    work = OpenWork()
+    deadline = config.drain_timeout_ms / 1e3
+
+    async def announce() -> None:
+        log.info("router draining: %d requests open", work.open)
+
+    drain = Drain(deadline, lambda: work.open == 0, announce, quiet_s=ROUTER_QUIET_S)
+    app.add_middleware(WorkCounter, work=work, counts=router_work)
+    app.add_middleware(RouterGate, drain=drain)  # outside the counter: a refused request is no open work
+
+    @app.post("/admin/drain")
+    async def start_drain() -> dict[str, Any]:
+        started = drain.begin("admin request")
+        return {"draining": True, "started": started, "deadline_s": deadline, "open_requests": work.open}
 
     return drain

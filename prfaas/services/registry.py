@@ -110,14 +110,18 @@ class Registry:
 
     def choose_pool(self, model: str, rng: random.Random) -> str:
         """The pool a new request goes to: the one ``model`` names (a model name or pool key), else a draw by the
-        configured weights among pools with a healthy decode instance. "" only while no model is known."""
+        configured weights among pools with a healthy decode instance; a name that several live pools share (a
+        rolling upgrade keeps the name) is drawn among them by weight. "" only while no model is known."""
         live = {pool_of(i) for i in self.healthy("decode")} & set(self.models)
         if model:
             named = sorted(k for k in self.models if model in (k, self.models[k].model))
             if not named and self.models:
                 raise InvalidRequest(f"model {model!r} is not served here; this deployment serves "
                                      f"{sorted({f.model for f in self.models.values()})}")
-            return next((k for k in named if k in live), named[0] if named else "")
+            serving = [k for k in named if k in live]  # one name, several pools: an upgrade in progress
+            if len(serving) < 2:
+                return next(iter(serving), named[0] if named else "")
+            live = set(serving)
         weights = {k: self.weight_of(k, self.models[k].model) or 0.0 for k in sorted(live)}
         if not weights or sum(weights.values()) <= 0:
             return next(iter(weights), next(iter(sorted(self.models)), ""))

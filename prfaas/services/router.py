@@ -29,7 +29,7 @@ from prfaas.scheduler import Scheduler
 from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import apikeys, guards
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import admin_routes, http, openai_api
+from prfaas.services import admin_routes, drain, http, openai_api
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
@@ -50,7 +50,7 @@ class Router:
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
         self.tenants = Tenants.from_config(config.tenants, [k.tenant for k in apikeys.parse_keys(config.api_keys)])
-        self.meter = metering.Meter(metering.router_log_path(config.audit_log))
+        self.meter = metering.Meter(metering.router_log_path(config.audit_log), config.datacenter)
 
     def required_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
@@ -274,4 +274,6 @@ def run_router(config: Config, host: str, port: int, mode: str, insecure: bool =
     apikeys.check_exposure(host, config, insecure)
     tls_runtime.configure(config, "router")
     router = Router(config, mode)
-    asyncio.run(http.serve(create_app(router), http.bind(host, port), ssl=tls_runtime.server_ssl(client_certs=False)))
+    app = create_app(router)  # SIGTERM drains the router (app.state.drain, prfaas.services.drain.attach_router)
+    asyncio.run(http.serve(app, http.bind(host, port), ssl=tls_runtime.server_ssl(client_certs=False),
+                           server_class=drain.server_class(app.state.drain)))
