@@ -6,7 +6,8 @@ Two records feed it, written by the process that knows each fact:
   on the remote route, the decode's on the local one), ``dst_dc`` (the decode's), ``route``, ``status``,
   ``prompt_tokens``, ``output_tokens``, and ``kv_wan_bytes`` (the blob's bytes when it crossed between two
   datacenters, once per blob: retransmissions are transport overhead, not usage). It goes to the metrics below and,
-  when ``audit_log`` is set, to the router's own hash-chained log as a ``request`` entry (no prompt, no key);
+  when ``audit_log`` is set, to the router's own hash-chained log as a ``request`` entry (no prompt, no key),
+  between an ``open`` and a ``close`` entry like a store's session (``prfaas audit verify`` checks it the same);
 - each store, once per blob that ends: ``bytes × (deleted − created)`` as KV byte-seconds held, under the blob's
   tenant and the store's datacenter (``prfaas_tenant_kv_byte_seconds_total``; the deletion records of the store's
   audit log carry the same facts).
@@ -48,8 +49,12 @@ class RequestUsage:
 class Meter:
     """The router's side: one ``record`` per finished request."""
 
-    def __init__(self, audit_path: str = "") -> None:
+    def __init__(self, audit_path: str = "", datacenter: str = "") -> None:
         self.log = ChainLog(audit_path) if audit_path else None
+        self.requests = 0
+        if self.log is not None:
+            self.log.append("open", {"store": "router-usage", "role": "router", "datacenter": datacenter,
+                                     "at_ms": _ms()})
 
     def record(self, usage: RequestUsage) -> None:
         pair = (usage.tenant, usage.src_dc, usage.dst_dc)
@@ -58,20 +63,28 @@ class Meter:
         metrics.TENANT_OUTPUT_TOKENS.labels(*pair).inc(usage.output_tokens)
         if usage.kv_wan_bytes:
             metrics.TENANT_KV_WAN_BYTES.labels(*pair).inc(usage.kv_wan_bytes)
+        self.requests += 1
         if self.log is not None:
-            self.log.append(REQUEST, {**asdict(usage), "at_ms": int(time.time() * 1000)})
+            self.log.append(REQUEST, {**asdict(usage), "at_ms": _ms()})
 
     def close(self) -> None:
         if self.log is not None:
+            self.log.append("close", {"store": "router-usage", "at_ms": _ms(), "requests": self.requests})
             self.log.close()
 
 
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
 def router_log_path(audit_log: str) -> str:
-    """Where the router writes its ``request`` entries: ``audit_log`` with ``{instance}`` → ``router`` (or with
-    ``.router`` appended when the pattern names no instance: one log file per process)."""
+    """Where the router writes its ``request`` entries: ``audit_log`` with ``{instance}`` → ``router-usage`` (or
+    with ``.router-usage`` appended when the pattern names no instance). A log of its own, apart from the router's
+    security audit log (``router``): one writer per file keeps each chain whole."""
     if not audit_log:
         return ""
-    return audit_log.replace("{instance}", "router") if "{instance}" in audit_log else audit_log + ".router"
+    name = "router-usage"
+    return audit_log.replace("{instance}", name) if "{instance}" in audit_log else f"{audit_log}.{name}"
 
 
 def held(record: DeletionRecord, datacenter: str) -> None:

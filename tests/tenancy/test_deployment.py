@@ -91,7 +91,7 @@ def test_three_tenants_policy_redaction_and_metering(deployed: Any) -> None:
     assert proc.wait(timeout=60) == 0  # logs closed cleanly before they are summed
 
     logs = sorted(str(p) for p in Path(folder).glob("audit-*.log"))
-    assert any(p.endswith("audit-router.log") for p in logs) and any("relay" in p for p in logs)
+    assert any(p.endswith("audit-router-usage.log") for p in logs) and any("relay" in p for p in logs)
     report = json.loads(subprocess.run([sys.executable, "-m", "prfaas", "admin", "usage", *logs, "--day", "all",
                                         "--json"], check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     _assert_metering_equals_logs(report["tenants"], router_metrics, relay_metrics)
