@@ -15,7 +15,9 @@ drain's duration, and end-to-end latency before, during and after.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -46,6 +48,20 @@ def accesses(path: Path) -> dict[str, int]:
                         if e and e.get("kind") == "access"))
 
 
+def per_step(run: UpgradeRun) -> list[dict[str, Any]]:
+    """Requests started during each canary step (until the next step or the first drain), by the pool that
+    served them."""
+    marks = [(run.rollout_began + e["at_s"], e) for e in run.rollout["events"] if e["action"] in ("weight", "drained")]
+    out = []
+    for (start, event), (end, _) in itertools.pairwise(marks):
+        if event["action"] != "weight":
+            continue
+        served = Counter("new" if r.extension.get("pool") == run.new_pool else "old"
+                         for r in run.results if start <= r.started < end)
+        out.append({"new_weight": event["new"], "seconds": round(end - start, 2), **served})
+    return out
+
+
 def summarise(run: UpgradeRun, clients: int, hold_s: float, steps: str) -> dict[str, Any]:
     start, end = run.upgrade_window
     before = [r for r in run.results if r.ended < start]
@@ -70,6 +86,7 @@ def summarise(run: UpgradeRun, clients: int, hold_s: float, steps: str) -> dict[
         "latency_ms": {"before": _latency_ms(before), "during": _latency_ms(during), "after": _latency_ms(after)},
         "audit": {"ok": audit.ok, "created": audit.created, "ended": dict(audit.ended),
                   "open_blobs": len(audit.open_blobs), "accesses": accesses(run.audit)},
+        "canary_steps": per_step(run),
         "rollout_events": run.rollout["events"],
     }
 
@@ -83,6 +100,9 @@ def show(result: dict[str, Any]) -> None:
         table.add_row(key, str(result[key]))
     table.add_row("served_by_pool", json.dumps(result["served_by_pool"]))
     table.add_row("drains_s", json.dumps(result["drains_s"]))
+    for step in result["canary_steps"]:
+        table.add_row(f"step new={step['new_weight']:g} ({step['seconds']} s)",
+                      f"old {step.get('old', 0)} / new {step.get('new', 0)}")
     for phase, lat in result["latency_ms"].items():
         table.add_row(f"e2e {phase} (p50 / p99 ms)", f"{lat['p50']} / {lat['p99']}")
     Console().print(table)
@@ -99,6 +119,7 @@ def main() -> None:
         run = run_upgrade(Path(tmp), clients=args.clients, hold_s=args.hold, steps=args.steps,
                           before_s=args.hold, after_s=args.hold)
         result = summarise(run, args.clients, args.hold, args.steps)
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]  # 2 cores shared with other work
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     show(result)

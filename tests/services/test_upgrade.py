@@ -122,6 +122,7 @@ class UpgradeRun:
     pool_of: dict[str, str]  # instance id → pool key
     rollout: dict[str, Any]
     upgrade_window: tuple[float, float]  # monotonic: new instances started → last old instance gone
+    rollout_began: float  # monotonic; the rollout's events are timed from here
     metrics: str
     audit: Path  # the relay's audit log
     variant: Path
@@ -181,6 +182,7 @@ def run_upgrade(tmp: Path, clients: int = 2, hold_s: float = 1.0, steps: str = "
                                 Fingerprint.from_wire(i["fingerprint"]) for i in snapshot if i["fingerprint"]}
                 pool_of = {i["instance_id"]: Fingerprint.from_wire(i["fingerprint"]).pool_key()
                            for i in snapshot if i["fingerprint"]}
+                rollout_began = time.monotonic()
                 rolled = _admin("rollout", pool_of["decode-v2"], "--router", url, "--steps", steps,
                                 "--hold", f"{hold_s}s", "--json")
                 window = (began, time.monotonic())
@@ -190,7 +192,7 @@ def run_upgrade(tmp: Path, clients: int = 2, hold_s: float = 1.0, steps: str = "
             _stop(new)
     audit = tmp / "audit-relay-0.jsonl"
     return UpgradeRun(load.results, old, pool_of["decode-v2"], fingerprints, pool_of,
-                      json.loads(rolled.strip().splitlines()[-1]), window, metrics, audit, variant)
+                      json.loads(rolled.strip().splitlines()[-1]), window, rollout_began, metrics, audit, variant)
 
 
 def references(run: UpgradeRun) -> dict[tuple[str, int], str]:
