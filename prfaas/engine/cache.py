@@ -122,3 +122,26 @@ def restore_layer(cache: Any, state: LayerState, device: torch.device) -> None:
             getattr(layer, attr)[int(key)] = tensor
         else:
             setattr(layer, name, tensor)
+
+
+_POSITIONAL = frozenset({"keys", "values", "indexer_keys"})
+
+
+def snapshot_rows(cache: Any, index: int, lengths: list[int], model_type: str, is_mla: bool) -> list[LayerState]:
+    """Layer ``index`` of a left-padded batch cache, one ``LayerState`` per row holding only that row's tokens."""
+    whole = snapshot_layer(cache, index, model_type, is_mla)
+    rows = []
+    for row, length in enumerate(lengths):
+        tensors = {}
+        for name, array in whole.tensors.items():
+            part = array[row:row + 1]
+            if name in _POSITIONAL and whole.kind in kinds.ATTENTION_KINDS:
+                keep = length if whole.window is None else min(length, whole.window - 1)
+                part = part[..., part.shape[-2] - keep:, :]
+            tensors[name] = np.ascontiguousarray(part)
+        attrs = dict(whole.attrs)
+        if "cumulative_length" in attrs:
+            attrs["cumulative_length"] = length
+        rows.append(LayerState(index=index, kind=whole.kind, grows=whole.grows, window=whole.window,
+                               tensors=tensors, attrs=attrs))
+    return rows

@@ -89,18 +89,34 @@ class Engine:
         return cache, pick_token(logits, sampling, step=step), time.perf_counter() - started
 
     def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0) -> Iterator[tuple[Any, int, float] | None]:
+                       step: int = 0, on_layer: LayerCallback | None = None,
+                       ) -> Iterator[tuple[Any, int, float] | None]:
         """Prefill ``chunk`` tokens per forward pass, yielding ``None`` between chunks (so a scheduler can run
-        decode steps in between) and finally ``(cache, next_token, seconds)``."""
+        other work in between) and finally ``(cache, next_token, seconds)``; ``on_layer`` receives each layer's
+        whole state during the last chunk."""
         ids = self._check_prompt(token_ids)
-        cache, seconds = self.new_cache(), 0.0
-        for start in range(0, len(ids), chunk or len(ids)):
+        cache, seconds, size = self.new_cache(), 0.0, chunk or len(ids)
+        for start in range(0, len(ids), size):
+            last = start + size >= len(ids)
+            hooks = self._layer_hooks(cache, on_layer) if on_layer and last else []
             began = time.perf_counter()
-            logits = self._forward(ids[start:start + (chunk or len(ids))], cache, start=start)
+            try:
+                logits = self._forward(ids[start:start + size], cache, start=start)
+            finally:
+                for hook in hooks:
+                    hook.remove()
             seconds += time.perf_counter() - began
-            if start + (chunk or len(ids)) < len(ids):
+            if not last:
                 yield None
         yield cache, pick_token(logits, sampling, step=step), seconds
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]],
+                      on_layer: Callable[[int, LayerState], None] | None = None,
+                      samplings: Sequence[SamplingParams | None] | None = None) -> tuple[list[int], float]:
+        """Several prompts in one forward pass (``prefill_batch.py``): each one's first token, and the seconds."""
+        from prfaas.engine.prefill_batch import prefill_batch
+
+        return prefill_batch(self, prompts, on_layer, samplings)
 
     def decode(self, kv: KVState, next_token: int, max_new_tokens: int = 16,
                sampling: SamplingParams | None = None) -> list[int]:
@@ -161,6 +177,10 @@ class Engine:
         if linear is not None:
             linear.extend([] for _ in range(self.num_layers - len(linear)))
         return cache
+
+    def check_prompt(self, token_ids: Sequence[int]) -> list[int]:
+        """The prompt as ints, or ``INVALID_REQUEST`` (empty, too long for the context, ids outside the vocab)."""
+        return self._check_prompt(token_ids)
 
     def _check_prompt(self, token_ids: Sequence[int]) -> list[int]:
         ids = [int(t) for t in token_ids]

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import xxhash
 
-from prfaas.engine import models
+from prfaas.engine import attention, models
 from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import Engine
 from prfaas.errors import InvalidRequest
@@ -29,6 +29,7 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     if threads:
         torch.set_num_threads(threads)
     _quiet_transformers()
+    attention.install()
     model, tokenizer, name = _load(spec, DTYPES[dtype])
     model.eval()
     return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype))

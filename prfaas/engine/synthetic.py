@@ -288,7 +288,7 @@ class SyntheticEngine(Engine):
         return SyntheticCache(len(ids)), self.first_token(ids), time.perf_counter() - started
 
     def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0) -> Iterator[tuple[Any, int, float] | None]:
+                       step: int = 0, on_layer: Any = None) -> Iterator[tuple[Any, int, float] | None]:
         ids = self._check_prompt(token_ids)
         size = chunk or len(ids)
         seconds = 0.0
@@ -298,7 +298,22 @@ class SyntheticEngine(Engine):
             seconds += time.perf_counter() - began
             if start + size < len(ids):
                 yield None
+        if on_layer is not None:
+            for index in range(self.num_layers):
+                on_layer(self.layer_state(index, len(ids)))
         yield SyntheticCache(len(ids)), self.first_token(ids), seconds
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: Any = None,
+                      samplings: Sequence[SamplingParams | None] | None = None) -> tuple[list[int], float]:
+        """The modelled time of the prompts one after the other (the model has no batched kernel to model)."""
+        tokens, seconds = [], 0.0
+        for row, prompt in enumerate(prompts):
+            def one(state: LayerState, row: int = row) -> None:
+                on_layer(row, state)
+            _, token, took = self.prefill_cache(prompt, one if on_layer else None)
+            tokens.append(token)
+            seconds += took
+        return tokens, seconds
 
     # -- decode --------------------------------------------------------------------------------------------------
     def forward_rows(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache: Any) -> torch.Tensor:

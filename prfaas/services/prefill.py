@@ -1,7 +1,9 @@
 """The prefill role (datacenter A): turns token ids into a KV blob and the first token, never decodes further.
 
 Chunks leave while the forward pass is still running: a hook after each decoder layer snapshots that layer,
-encodes it and hands the finished chunk frames to the sink (own store, or a push to the relay).
+encodes it and hands the finished chunk frames to the sink (own store, or a push to the relay). Prompts go through
+one engine thread (``PrefillScheduler``): short ones queued together share a forward pass (``prefill_max_batch``,
+``prefill_batch_tokens``), a long one runs ``prefill_chunk_tokens`` at a time, alternating with the short batches.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from prfaas.kv import FORMAT_VERSION, BlobHeader, BlobWriter, LayerState, check_
 from prfaas.kv.fingerprint import negotiate_version
 from prfaas.messages import PrefillRequest, SamplingParams
 from prfaas.obs import metrics
-from prfaas.services.runner import EngineRunner
+from prfaas.services.batcher import PrefillJob, PrefillScheduler
 from prfaas.services.sinks import FrameSink, PushSink, StoreSink
 from prfaas.store import BlobStore
 
@@ -30,7 +32,8 @@ class PrefillService:
         self.engine = engine
         self.config = config
         self.store = store
-        self.runner = EngineRunner()
+        self.scheduler = PrefillScheduler(engine, config.prefill_max_batch, config.prefill_batch_tokens,
+                                          config.prefill_chunk_tokens)
         self._inflight = asyncio.Semaphore(config.max_inflight_kv)
 
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[dict[str, Any]]:
@@ -55,13 +58,22 @@ class PrefillService:
             frames = writer.add_layer(layer)
             loop.call_soon_threadsafe(sink.put, frames)
 
-        def run() -> tuple[int, float]:
-            _, token, seconds = self.engine.prefill_cache(request.token_ids, on_layer, sampling)
-            return token, seconds
+        done: asyncio.Future[tuple[int, float]] = loop.create_future()
+
+        def finish(token: int | None, seconds: float, error: BaseException | None) -> None:
+            def settle() -> None:
+                if done.done():
+                    return
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result((int(token or 0), seconds))
+            loop.call_soon_threadsafe(settle)
 
         started = time.perf_counter()
         try:
-            first_token, seconds = await self.runner.run(run)
+            self.scheduler.submit(PrefillJob(list(request.token_ids), sampling, on_layer, finish))
+            first_token, seconds = await done
             await sink.finish(writer.finish(first_token))
         except BaseException:
             await sink.abort("aborted")
@@ -91,4 +103,7 @@ class PrefillService:
 
     def load(self) -> dict[str, int]:
         free = self.store.stats().budget_bytes - self.store.stats().bytes if self.store else 0
-        return {"queue_depth": self.runner.queue_depth, "free_kv_bytes": free}
+        return {"queue_depth": self.scheduler.queue_depth, "free_kv_bytes": free}
+
+    def close(self) -> None:
+        self.scheduler.close()
