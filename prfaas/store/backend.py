@@ -55,6 +55,7 @@ class MemoryBackend:
     """Frames in this process's memory; nothing survives the process."""
 
     name = "memory"
+    holds_frames = True  # keeps the very objects it is given (a wrapper must not reuse them until ``drop``)
 
     def __init__(self) -> None:
         self._blobs: dict[str, dict[int, bytes]] = {}

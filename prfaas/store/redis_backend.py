@@ -67,6 +67,7 @@ def _meta_fields(meta: BlobMeta) -> list[str | int]:
 
 class RedisBackend:
     name = "redis"
+    holds_frames = False  # copies each frame to the server: the caller may reuse its buffer at once
 
     def __init__(self, url: str, prefix: str, policy: str | None = "noeviction", timeout_s: float = 5.0,
                  ca: str = "") -> None:

@@ -30,7 +30,7 @@ def sealed(request: pytest.FixtureRequest) -> Iterator[tuple[SealedBackend, Call
     if request.param == "memory":
         inner = MemoryBackend()
         backend = SealedBackend(inner, MASTER)
-        yield backend, lambda kv_id: dict(inner._blobs.get(kv_id, {}))
+        yield backend, lambda kv_id: {k: bytes(v) for k, v in inner._blobs.get(kv_id, {}).items()}
         return
     import redis
 

@@ -1,6 +1,6 @@
 """Three tenants through a whole ``prfaas up`` (relay mode, KV sealed at rest, audit logs on): a pinned tenant is
-never offloaded and is told why, a redacting tenant's identifiers never reach the model, and the metering in the
-metrics equals the sums over the audit logs (``prfaas admin usage``)."""
+never offloaded and is told why, a tenant's codec override shapes its blobs, a redacting tenant's identifiers never
+reach the model, and the metering in the metrics equals the sums over the audit logs (``prfaas admin usage``)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Any:
     subprocess.run([sys.executable, "-m", "prfaas", "admin", "store-key", str(folder / "store.key")], check=True)
     config = {
         "api_keys": [{"name": f"{t}-key", "key": k, "tenant": t} for t, k in KEYS.items()],
-        "tenants": {"acme": {"allowed_datacenters": ["dc-b"]}, "beta": {"kv_ttl_seconds": 60},
+        "tenants": {"acme": {"allowed_datacenters": ["dc-b"]}, "beta": {"kv_ttl_seconds": 60, "kv_codec": "int8"},
                     "gamma": {"redact": "mask_identifiers", "rate_limit_qps": 50}},
         "store_key_file": str(folder / "store.key"), "audit_log": str(folder / "audit-{instance}.log"),
     }
@@ -79,6 +79,7 @@ def test_three_tenants_policy_redaction_and_metering(deployed: Any) -> None:
                for r in results["acme"]), results["acme"]
     assert all(r["route"] == "remote" and r["tenant"] == t for t in ("beta", "gamma") for r in results[t])
     assert all(r["route"] == "local" for r in results["short"])
+    assert results["beta"][0]["kv_bytes"] < results["gamma"][0]["kv_bytes"] / 2  # beta's codec override: int8
     # redaction happened before tokenisation: the prompt counted is the masked one
     ids = httpx.post(f"{decode}/tokenize", json={"prompt": "Write to [EMAIL] about [IP]. " + LONG}).json()
     assert masked["route"] == "remote" and masked["usage"]["prompt_tokens"] == len(ids["token_ids"])
