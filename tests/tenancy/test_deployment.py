@@ -95,6 +95,7 @@ def test_three_tenants_policy_redaction_and_metering(deployed: Any) -> None:
     assert any(p.endswith("audit-router-usage.log") for p in logs) and any("relay" in p for p in logs)
     report = json.loads(subprocess.run([sys.executable, "-m", "prfaas", "admin", "usage", *logs, "--day", "all",
                                         "--json"], check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+    print("\nusage report:", json.dumps(report["tenants"], sort_keys=True))
     _assert_metering_equals_logs(report["tenants"], router_metrics, relay_metrics)
     assert report["tenants"]["acme"]["total"]["offload_fraction"] == 0.0
     assert report["tenants"]["acme"]["kv_byte_seconds"] == {}  # its KV was never held by the relay
