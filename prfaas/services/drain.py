@@ -1,4 +1,4 @@
-"""Graceful drain of one instance: stop taking work, finish or hand off what it holds, then exit.
+"""Graceful drain of one instance (and of the router): stop taking work, finish or hand off what it holds, then exit.
 
 Triggers: the first SIGTERM (what Kubernetes and systemd send) or ``POST /admin/drain`` (``prfaas admin drain``).
 Then the instance heartbeats ``draining: true`` at once, so the router's placement gives it nothing new (the
