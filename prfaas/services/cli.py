@@ -36,12 +36,14 @@ def router(host: str = HOST, port: int = typer.Option(8000, "--port"),
 
 
 def _instance(role: str, router_url: str, instance_id: str, datacenter: str, model: str, dtype: str, host: str,
-              port: int, kv_port: int, config: str | None, offload_threshold: int | None) -> None:
+              port: int, kv_port: int, config: str | None, offload_threshold: int | None,
+              advertise_kv: str = "") -> None:
     from prfaas.services.instance import InstanceOptions
     from prfaas.services.roles import run_role
 
     options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
-                              router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype)
+                              router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype,
+                              advertise_kv=advertise_kv)
     run_role(options, _config(config, offload_threshold, datacenter or None))
 
 
@@ -51,9 +53,11 @@ def _role_command(role: str, default_dc: str, help_text: str) -> None:
                 dtype: str = typer.Option("float32", "--dtype"), host: str = HOST,
                 port: int = typer.Option(0, "--port", help="HTTP control port (0: any free port)"),
                 kv_port: int = typer.Option(0, "--kv-port", help="KV data port (0: any free port)"),
+                advertise_kv: str = typer.Option("", "--advertise-kv", help="HOST:PORT other roles dial for the KV "
+                                                 "data port, when it is reached through NAT or a load balancer"),
                 config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD) -> None:
         _instance(role, router_url, instance_id, datacenter, model, dtype, host, port, kv_port, config,
-                  offload_threshold)
+                  offload_threshold, advertise_kv)
 
     command.__doc__ = help_text
     serve_app.command(name=role)(command)

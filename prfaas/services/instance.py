@@ -28,6 +28,7 @@ from prfaas.services import drain, http
 from prfaas.services.heartbeat import Heartbeat
 from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import TransferServer
+from prfaas.transfer.conn import split_address
 
 log = logging.getLogger("prfaas.instance")
 SWEEP_INTERVAL_S = 1.0
@@ -42,6 +43,7 @@ class InstanceOptions:
     port: int = 0
     kv_port: int = 0
     model: str = ""
+    advertise_kv: str = ""  # HOST:PORT peers dial for the KV data port (NAT, load balancer); "" = the bound one
     dtype: str = "float32"
 
 
@@ -54,7 +56,10 @@ class Instance:
         self.http_sock = http.bind(options.host, options.port)
         self.url = "{}://{}:{}".format(tls_runtime.scheme(), *self.http_sock.getsockname()[:2])
         self.kv_sock = http.bind(options.host, options.kv_port) if with_store else None
-        self.kv_address = "{}:{}".format(*self.kv_sock.getsockname()[:2]) if self.kv_sock else ""
+        if options.advertise_kv:
+            split_address(options.advertise_kv)  # InvalidRequest at start, not when a peer dials it
+        bound = "{}:{}".format(*self.kv_sock.getsockname()[:2]) if self.kv_sock else ""
+        self.kv_address = options.advertise_kv or bound if self.kv_sock else ""
         self.kv = StoreRuntime(config, options.instance_id) if with_store else None
         self.store = self.kv.store if self.kv else None
         self.fingerprint: dict[str, Any] = {}
