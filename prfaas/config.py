@@ -52,6 +52,8 @@ class Config:
     decode_queue_timeout_ms: int = 10000
     decode_max_batch: int = 32
     prefill_chunk_tokens: int = 512
+    prefill_max_batch: int = 8  # prompts per batched prefill forward pass
+    prefill_batch_tokens: int = 2048  # padded tokens per batched prefill forward pass
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 3000
     store_budget_mb: int = 4096
@@ -86,6 +88,8 @@ class Config:
             (self.decode_queue_timeout_ms >= 0, "decode_queue_timeout_ms must be ≥ 0"),
             (1 <= self.decode_max_batch <= 1024, "decode_max_batch must be within 1–1024"),
             (self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens must be ≥ 0 (0: no chunking)"),
+            (1 <= self.prefill_max_batch <= 256, "prefill_max_batch must be within 1–256"),
+            (self.prefill_batch_tokens >= 1, "prefill_batch_tokens must be at least 1"),
             (self.rate_limit_qps > 0, "rate_limit_qps must be positive"),
             (1 <= self.transfer_streams <= 16, "transfer_streams must be within 1–16"),
             (self.serialization == "msgpack", "serialization: only msgpack is implemented"),
