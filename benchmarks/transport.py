@@ -8,11 +8,15 @@ pair, ``tbf`` on both ends; skipped with the reason when namespaces cannot be ma
 runs on the client side (namespace a) and the sender/server on the other (namespace b):
   iperf3 -P N           the wire's ceiling (Debian's iperf3, from scripts/install-system-deps.sh)
   python copy           ``sendall`` of a memoryview in 4 MiB slices → ``recv_into`` a preallocated bytearray
-  prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull into a fresh BlobReader (every chunk
-                        verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
+  prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull ``PULLS`` times into a fresh BlobReader
+                        (every chunk verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
   mooncake              Mooncake Transfer Engine's TCP transport (loopback; its own venv, made here)
-Every figure is the best of ``--repeat`` runs, payload Gbit/s; "vs iperf3" divides by iperf3 with the same number
-of streams (python copy and mooncake by iperf3 -P 1). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
+The machine is shared and noisy, so the tools run side by side: ``--repeat`` rounds, each running every tool once
+in turn, and every figure is a tool's best round (payload Gbit/s). "vs iperf3" divides by iperf3's best with the
+same number of streams (python copy and mooncake by iperf3 -P 1). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
+
+TLS cost (second table): per path and stream count, TLS goodput / plaintext goodput, and the receiving process's
+CPU seconds per GB pulled (all its threads: receive, decrypt, verify, rebuild) with and without TLS.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")
 MOONCAKE_VENV = ROOT / "benchmarks" / ".venv-mooncake"
 STREAMS = (1, 2, 4)
+PULLS = 3  # pulls per prfaas process: the first one also pays for first-touching the receive arena
 Wrap = Callable[[str, list[str]], list[str]]
 
 
@@ -128,35 +133,71 @@ def mooncake(size: int, repeat: int) -> float | str:
 
 def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs: tuple[Path, Path]
                  ) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    ceiling = {n: iperf3(wrap, host, size, n, repeat) for n in STREAMS}
-    for n in STREAMS:
-        rows.append({"path": name, "tool": "iperf3", "streams": n, "gbps": ceiling[n], "vs_iperf3": 1.0})
-    copy = python_copy(wrap, host, size, repeat)
-    rows.append({"path": name, "tool": "python copy", "streams": 1, "gbps": copy, "vs_iperf3": copy / ceiling[1]})
-    for tls in (None, certs):
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    rounds: dict[tuple[str, int], list[float]] = {}
+
+    def keep(tool: str, n: int, got: dict[str, Any]) -> None:
+        rounds.setdefault((tool, n), []).append(got["gbps"])
+        if got["gbps"] > best.get((tool, n), {"gbps": -1.0})["gbps"]:
+            best[(tool, n)] = got
+        print(f"  {tool:<12} {n}  {got['gbps']:.2f} Gbit/s", flush=True)
+
+    for r in range(repeat):
+        print(f" round {r + 1}/{repeat}", flush=True)
         for n in STREAMS:
-            got = prfaas(wrap, host, size, n, repeat, tls)
-            rows.append({"path": name, "tool": "prfaas tls" if tls else "prfaas", "streams": n, "gbps": got["gbps"],
-                         "vs_iperf3": got["gbps"] / ceiling[n], "push_gbps": got["push_gbps"],
-                         "median_gbps": got["median_gbps"]})
-            print(f"  {rows[-1]['tool']:<12} {n}  {got['gbps']:.2f} Gbit/s", flush=True)
+            keep("iperf3", n, {"gbps": iperf3(wrap, host, size, n, 1)})
+        keep("python copy", 1, {"gbps": python_copy(wrap, host, size, 1)})
+        for tls in (None, certs):
+            for n in STREAMS:
+                keep("prfaas tls" if tls else "prfaas", n, prfaas(wrap, host, size, n, PULLS, tls))
+    rows: list[dict[str, Any]] = []
+    for (tool, n), got in best.items():
+        ceiling = best[("iperf3", n if tool != "python copy" else 1)]["gbps"]
+        row = {"path": name, "tool": tool, "streams": n, "gbps": got["gbps"], "vs_iperf3": got["gbps"] / ceiling,
+               "rounds_gbps": rounds[(tool, n)]}
+        if tool.startswith("prfaas"):
+            row |= {k: got[k] for k in ("push_gbps", "median_gbps", "cpu_s_per_gb", "chunk_kb")}
+        rows.append(row)
     if name == "loopback":
         mc = mooncake(size, repeat)
         rows.append({"path": name, "tool": "mooncake tcp", "streams": 1,
                      "gbps": mc if isinstance(mc, float) else None,
-                     "vs_iperf3": mc / ceiling[1] if isinstance(mc, float) else None,
+                     "vs_iperf3": mc / best[("iperf3", 1)]["gbps"] if isinstance(mc, float) else None,
                      "note": "" if isinstance(mc, float) else mc})
     return rows
 
 
+def tls_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per path and stream count: TLS goodput over plaintext goodput, and CPU seconds per GB both ways."""
+    by = {(r["path"], r["tool"], r["streams"]): r for r in rows}
+    out = []
+    for (path, tool, n), plain in by.items():
+        tls = by.get((path, "prfaas tls", n))
+        if tool != "prfaas" or tls is None:
+            continue
+        out.append({"path": path, "streams": n, "goodput_ratio": tls["gbps"] / plain["gbps"],
+                    "plain_cpu_s_per_gb": plain.get("cpu_s_per_gb"), "tls_cpu_s_per_gb": tls.get("cpu_s_per_gb")})
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| path | tool | streams | Gbit/s | vs iperf3 | push Gbit/s |", "|---|---|---|---|---|---|"]
+    lines = ["| path | tool | streams | Gbit/s | vs iperf3 | rounds (Gbit/s) | push Gbit/s |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         gbps = "–" if r.get("gbps") is None else f"{r['gbps']:.2f}"
         ratio = "–" if r.get("vs_iperf3") is None else f"{r['vs_iperf3']:.0%}"
+        each = " / ".join(f"{g:.1f}" for g in r.get("rounds_gbps", []))
         push = f"{r['push_gbps']:.2f}" if "push_gbps" in r else ""
-        lines.append(f"| {r['path']} | {r['tool']} | {r['streams']} | {gbps} | {ratio} | {push} |")
+        lines.append(f"| {r['path']} | {r['tool']} | {r['streams']} | {gbps} | {ratio} | {each} | {push} |")
+    return "\n".join(lines)
+
+
+def cost_table(cost: list[dict[str, Any]]) -> str:
+    lines = ["| path | streams | TLS / plaintext goodput | receiver CPU s/GB plaintext | receiver CPU s/GB TLS |",
+             "|---|---|---|---|---|"]
+    for c in cost:
+        cpu = [f"{c[k]:.2f}" if c[k] is not None else "–" for k in ("plain_cpu_s_per_gb", "tls_cpu_s_per_gb")]
+        lines.append(f"| {c['path']} | {c['streams']} | {c['goodput_ratio']:.0%} | {cpu[0]} | {cpu[1]} |")
     return "\n".join(lines)
 
 
@@ -189,12 +230,16 @@ def main() -> None:
             size = parse_size(args.size_1g if rate == "1gbit" else args.size)
             with netns.veth_pair(rate, "256kb" if rate == "1gbit" else "4mb") as pair:
                 rows += measure_path(path, pair.cmd, netns.ADDR["b"], size, args.repeat, certs)
-    out = {"rows": rows, "skipped": skipped, "size": args.size, "size_1g": args.size_1g, "repeat": args.repeat,
+    cost = tls_cost(rows)
+    out = {"rows": rows, "tls_cost": cost, "skipped": skipped, "size": args.size, "size_1g": args.size_1g,
+           "repeat": args.repeat, "pulls_per_run": PULLS,
            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
                     "loadavg": os.getloadavg()}, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(table(rows))
+    print()
+    print(cost_table(cost))
     for path, why in skipped.items():
         print(f"{path}: skipped ({why})")
 

@@ -5,7 +5,8 @@ with a throw-away self-signed certificate when ``--tls``); the blob is pushed on
 with ``--streams`` connections into a fresh ``BlobReader`` (every chunk verified, layers rebuilt), then released.
 Goodput counts payload bytes only: Gbit/s = payload bytes × 8 / seconds / 1e9. ``--json`` prints one object last:
 ``bytes, seconds, gbps`` (the best pull), ``median_gbps``, ``push_seconds``, ``push_gbps``, ``streams``,
-``chunk_kb``, ``tls``, ``repeat``, ``target``.
+``chunk_kb``, ``tls``, ``repeat``, ``target``, and ``cpu_s_per_gb``: this (receiving) process's CPU seconds per GB
+pulled, all its threads, the median over the pulls.
 """
 
 from __future__ import annotations
@@ -97,19 +98,20 @@ async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, s
     started = time.perf_counter()
     await push(address, kv_id, frames, ssl=tls, timeout_s=30.0)
     push_s = time.perf_counter() - started
-    times = []
+    times, cpu = [], []
     try:
         for _ in range(repeat):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             await pull(address, kv_id, BlobReader(max_bytes=payload + (64 << 20)), timeout_s=30.0, streams=streams,
                        ssl=tls, retries=0)
             times.append(time.perf_counter() - started)
+            cpu.append((time.process_time() - cpu_started) / payload * 1e9)
     finally:
         await release(address, kv_id, ssl=tls)
     best = min(times)
     return {"bytes": payload, "seconds": best, "gbps": payload * 8 / best / 1e9,
             "median_gbps": payload * 8 / statistics.median(times) / 1e9, "push_seconds": push_s,
-            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times}
+            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times, "cpu_s_per_gb": statistics.median(cpu)}
 
 
 def run_bench(size: int, streams: int, chunk_kb: int, use_tls: bool, target: str | None, repeat: int,

@@ -121,10 +121,12 @@ class FaultProxy:
     async def close(self) -> None:
         assert self._server is not None
         self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._server.wait_closed()
+        # a connection accepted just before the close has a handler task that may not have started yet
+        handlers = {t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__qualname__", "") == "FaultProxy._handle"}
+        for task in handlers | self._tasks:
+            task.cancel()
+        await asyncio.gather(*(handlers | self._tasks), return_exceptions=True)
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -134,7 +136,7 @@ class FaultProxy:
         self.connections += 1
         try:
             ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
+        except (OSError, asyncio.CancelledError):
             cwriter.close()
             self._tasks.discard(task)
             return
