@@ -4,10 +4,12 @@ Entries (besides ``seq``, ``prev``, ``hash``), all with ``store`` (the instance 
 
 - ``open``: a store session starts (``backend``, ``ttl_s``, ``budget_bytes``, ``at_ms``).
 - ``access``: ``action`` (create, finish, read, release, abort), ``kv_id``, ``who`` (the authenticated peer or
-  the instance), ``purpose`` (request id when known), ``bytes``, ``outcome`` (``ok`` or an error code), ``at_ms``.
+  the instance), ``purpose`` (request id when known), ``bytes``, ``outcome`` (``ok`` or an error code), ``at_ms``,
+  ``tenant`` (the blob's; ``""`` when none).
 - ``deletion``: ``kv_id``, ``reason`` (released, expired, evicted, aborted, shutdown), ``bytes``, ``chunks``,
-  ``checksum`` (``xxh64:<hex>`` of the payload, null if it never finished), ``created_ms``, ``deleted_ms``, and
-  ``detail`` when the store that held the blob did not record its end itself.
+  ``checksum`` (``xxh64:<hex>`` of the payload, null if it never finished), ``created_ms``, ``deleted_ms``,
+  ``tenant``, ``key_destroyed`` (its data key was destroyed with it: encryption at rest), and ``detail`` when the
+  store that held the blob did not record its end itself.
 - ``close``: a clean shutdown (``at_ms``, ``created``, ``deleted`` in this session).
 
 No prompt text, token ids or KV bytes ever enter the log: a blob is its id, sizes and checksum.

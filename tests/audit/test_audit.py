@@ -78,7 +78,7 @@ def test_no_prompt_content_in_the_log(tmp_path: Path) -> None:
         keys = set(json.loads(line))
         assert keys <= {"seq", "kind", "store", "prev", "hash", "at_ms", "backend", "action", "kv_id", "who",
                         "purpose", "bytes", "outcome", "reason", "chunks", "checksum", "created_ms", "deleted_ms",
-                        "detail", "created", "deleted"}, keys
+                        "detail", "created", "deleted", "tenant", "key_destroyed", "datacenter"}, keys
 
 
 @pytest.mark.parametrize("tamper", ["edit", "delete", "swap", "insert", "garbage"])
