@@ -47,16 +47,15 @@ def drain(instance: str = typer.Argument(..., help="instance id, as in /admin/in
           wait: bool = typer.Option(True, "--wait/--no-wait", help="wait until the instance has left"),
           timeout: str = typer.Option("10m", "--timeout", help="how long --wait waits")) -> None:
     """Stop routing to INSTANCE, let it finish what it holds, and have it exit (as SIGTERM does)."""
-    from prfaas.admin.rollout import drain_instance
+    from prfaas.admin.rollout import wait_gone
     from prfaas.units import parse_duration
 
     client = RouterClient(router, api_key)
-    if not wait:
-        reply = client.post(f"/admin/drain/{instance}")
-        typer.echo(f"{instance}: draining (deadline {reply.get('deadline_s', '?')} s)")
-        return
-    reply, took = drain_instance(client, instance, parse_duration(timeout))
+    reply = client.post(f"/admin/drain/{instance}")
     typer.echo(f"{instance}: draining (deadline {reply.get('deadline_s', '?')} s)")
+    if not wait:
+        return
+    took = wait_gone(client, instance, parse_duration(timeout))
     if took is None:
         typer.echo(f"{instance}: still registered after {timeout}", err=True)
         raise typer.Exit(1)

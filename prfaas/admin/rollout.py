@@ -72,16 +72,14 @@ def deployment_errors(metrics_text: str) -> float:
     return total
 
 
-def drain_instance(client: RouterClient, instance: str, timeout_s: float) -> tuple[dict[str, Any], float | None]:
-    """Ask the router to drain ``instance`` and wait until it has left: (the router's answer, seconds it took or
-    None if it was still registered at the timeout)."""
-    reply = client.post(f"/admin/drain/{instance}")
+def wait_gone(client: RouterClient, instance: str, timeout_s: float) -> float | None:
+    """Seconds until ``instance`` left the registry (after ``POST /admin/drain/{instance}``), None at the timeout."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if instance not in {i["instance_id"] for i in client.get("/admin/instances")}:
-            return reply, time.monotonic() - started
+            return time.monotonic() - started
         time.sleep(POLL_S)
-    return reply, None
+    return None
 
 
 def rollout(client: RouterClient, to: str, steps: Sequence[float], hold_s: float, drain: bool = True,
@@ -131,7 +129,8 @@ def _drain_old(client: RouterClient, run: Rollout, timeout_s: float, echo: Calla
     for info in sorted(olds, key=lambda i: (ROLE_ORDER.get(i["role"], 2), i["instance_id"])):
         iid = info["instance_id"]
         echo(f"draining {iid} ({info['role']})")
-        _, took = drain_instance(client, iid, timeout_s)
+        client.post(f"/admin/drain/{iid}")
+        took = wait_gone(client, iid, timeout_s)
         run.note("drained", instance=iid, role=info["role"], seconds=None if took is None else round(took, 3))
         if took is None:
             raise RolloutFailed(f"{iid} was still registered {timeout_s:g} s after its drain began; traffic is "
