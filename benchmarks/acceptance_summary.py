@@ -55,8 +55,8 @@ def why(cell: dict[str, Any], baseline: dict[str, Any] | None) -> list[str]:
             per_blob = t["kv_bytes"] / t["remote_ok"]
             xfer = t["transfer_ms"]["p50"]
             base = (baseline or {}).get("ttft_ms", {}).get("p50")
-            line += (f"; KV {per_blob / 1e6:.1f} MB per request, transfer P50 {xfer:.0f} ms "
-                     f"({per_blob * 8 / xfer / 1e6:.2f} Gbit/s)")
+            line += (f"; KV {per_blob / 1e6:.1f} MB per request, pull P50 {xfer:.0f} ms (it starts with the "
+                     f"prefill; bytes / pull time = {per_blob * 8 / xfer / 1e6:.2f} Gbit/s)")
             if base:
                 line += f"; monolithic TTFT P50 {base:.0f} ms"
         if check["name"] == "degrade_rate":
