@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from prfaas.errors import InvalidRequest
+from prfaas.security.limits import WireLimits
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class TLSConfig:
     cert: str | None = None
     key: str | None = None
     required: bool = False
+    crl: str | None = None  # `prfaas certs revoke` writes it; peers' certificates are checked against it
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Config:
     api_keys: tuple[str, ...] = ()
     tls: TLSConfig = field(default_factory=TLSConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
+    limits: WireLimits = field(default_factory=WireLimits)  # what parsers accept (prfaas.security.limits)
     store_backend: str = "memory"  # where a relay's / prefill's KV blobs live: memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"  # store_backend redis; also unix:///path/redis.sock
     redis_maxmemory_policy: str = "noeviction"  # set on the Redis server at start; "" keeps the server's
@@ -97,6 +100,7 @@ class Config:
             (self.store_backend in ("memory", "redis"), "store_backend must be memory or redis"),
             (self.drain_timeout_ms >= 0, "drain_timeout_ms must be ≥ 0"),
             (all(w >= 0 for w in self.pools.values()), "pools: every weight must be ≥ 0"),
+            (self.chunk_bytes <= self.limits.max_chunk_bytes, "chunk_size_kb must not exceed limits.max_chunk_bytes"),
         ]
         for ok, message in checks:
             if not ok:
@@ -156,6 +160,8 @@ def from_dict(data: dict[str, Any]) -> Config:
             values["tls"] = TLSConfig(**(values["tls"] or {}))
         if "slo" in values:
             values["slo"] = SLOConfig(**(values["slo"] or {}))
+        if "limits" in values:
+            values["limits"] = WireLimits(**(values["limits"] or {}))
         if not isinstance(values.get("tenants") or {}, dict):
             raise InvalidRequest("config: tenants must be a mapping of tenant name to policy")
         if "api_keys" in values:

@@ -2,8 +2,9 @@
 
 Every certificate names its role in a SAN URI ``spiffe://prfaas/<role>/<name>`` (``prfaas.security.identity``
 reads it back), is valid for client and server use, and covers ``localhost``/``127.0.0.1`` plus the ``hosts``
-given. Private keys are written with mode 0600 (created so, never widened); files are PEM. Failures: an unknown
-role or a missing CA raise ``InvalidRequest``; file errors surface as ``OSError``.
+given. Private keys are written with mode 0600 (created so, never widened); files are PEM. ``revoke`` keeps the
+CA's certificate revocation list (``crl.pem``, signed by the CA). Failures: an unknown role, a missing CA or
+certificate raise ``InvalidRequest``; file errors surface as ``OSError``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from prfaas.errors import InvalidRequest
 
 ROLES = ("router", "prefill", "decode", "relay")
-CA_CERT, CA_KEY = "ca.pem", "ca.key"
+CA_CERT, CA_KEY, CRL = "ca.pem", "ca.key", "crl.pem"
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
 
@@ -45,6 +46,7 @@ def init(directory: str | os.PathLike[str], days: int = 365) -> dict[str, Path]:
             .not_valid_after(now + dt.timedelta(days=days * 5))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
             .sign(key, hashes.SHA256()))
     _write_key(root / CA_KEY, key)
     (root / CA_CERT).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
@@ -77,11 +79,59 @@ def issue(directory: str | os.PathLike[str], role: str, name: str, *, hosts: Seq
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
+            .add_extension(_issuer_id(ca_key), critical=False)  # peers pick the right CA even if two share a name
             .sign(ca_key, hashes.SHA256()))
     _write_key(root / f"{name}.key", key)
     path = root / f"{name}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return path
+
+
+def revoke(directory: str | os.PathLike[str], name: str, days: int = 30) -> Path:
+    """Add certificate ``<name>.pem`` to the CA's revocation list ``crl.pem`` (created or re-signed with the CA
+    key, valid for ``days``: re-run before it lapses, since an expired list fails every handshake). Returns its
+    path. Peers configured with ``tls.crl`` refuse the certificate once they load the list (at start)."""
+    root = Path(directory)
+    if not (root / CA_KEY).exists():
+        raise InvalidRequest(f"no CA in {root}; revoke where `prfaas certs init` ran")
+    if not (root / f"{name}.pem").exists():
+        raise InvalidRequest(f"no certificate {root / f'{name}.pem'} to revoke")
+    ca_key = serialization.load_pem_private_key((root / CA_KEY).read_bytes(), password=None)
+    ca = x509.load_pem_x509_certificate((root / CA_CERT).read_bytes())
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    serial = x509.load_pem_x509_certificate((root / f"{name}.pem").read_bytes()).serial_number
+    now = _now()
+    entries, number = revoked_list(root), _crl_number(root) + 1
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(now)
+               .next_update(now + dt.timedelta(days=days)).add_extension(x509.CRLNumber(number), critical=False)
+               .add_extension(_issuer_id(ca_key), critical=False))
+    if all(entry.serial_number != serial for entry in entries):  # revoking twice keeps the first date
+        entries.append(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+    for entry in entries:
+        builder = builder.add_revoked_certificate(entry)
+    path = root / CRL
+    path.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def revoked_list(directory: str | os.PathLike[str]) -> list[x509.RevokedCertificate]:
+    """The entries of ``crl.pem`` in ``directory`` (none if there is no list yet)."""
+    path = Path(directory) / CRL
+    return list(x509.load_pem_x509_crl(path.read_bytes())) if path.exists() else []
+
+
+def _crl_number(root: Path) -> int:
+    if not (root / CRL).exists():
+        return 0
+    crl = x509.load_pem_x509_crl((root / CRL).read_bytes())
+    try:
+        return int(crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number)
+    except x509.ExtensionNotFound:
+        return 0
+
+
+def _issuer_id(ca_key: ec.EllipticCurvePrivateKey) -> x509.AuthorityKeyIdentifier:
+    return x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key())
 
 
 def _names(role: str, name: str, hosts: Sequence[str]) -> list[x509.GeneralName]:

@@ -1,4 +1,5 @@
-"""``prfaas certs init DIR`` and ``prfaas certs issue``: the private CA and per-role certificates."""
+"""``prfaas certs init DIR``, ``prfaas certs issue`` and ``prfaas certs revoke DIR NAME``: the private CA, per-role
+certificates and the revocation list."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def issue(role: str = typer.Option(..., "--role", help="router | prefill | decod
     from prfaas.security import certs
 
     typer.echo(str(certs.issue(directory, role, name, hosts=host, days=days)))
+
+
+@app.command()
+def revoke(directory: str = typer.Argument(..., help="the directory of `prfaas certs init` (holds ca.key)"),
+           name: str = typer.Argument(..., help="the certificate to revoke: NAME.pem in DIR"),
+           days: int = typer.Option(30, "--days", help="validity of the list; re-run `revoke` before it lapses")
+           ) -> None:
+    """Add NAME's certificate to DIR/crl.pem (signed by the CA). Copy crl.pem to every host, set tls.crl, and
+    restart the instances: they then refuse that certificate at the handshake."""
+    from prfaas.security import certs
+
+    path = certs.revoke(directory, name, days=days)
+    typer.echo(f"{path}: {len(certs.revoked_list(directory))} revoked")

@@ -4,7 +4,9 @@ Each request is mapped to a policy operation (Put → ``kv.write``, Get → ``kv
 Stat → ``kv.stat``) and checked against the role of the connection's verified client certificate before it
 touches the store. A refusal raises ``KVUnauthorized`` (the server answers it on the wire and closes) after an
 ``AccessRecord`` with outcome ``KV_UNAUTHORIZED`` and the peer identity went to ``on_refused`` (the store's audit
-log and metrics). A peer without a certificate is only let through while TLS is not required.
+log and metrics). A peer without a certificate is only let through while TLS is not required. A failed handshake
+(``tls_refused``: plaintext, or a certificate expired, revoked, from another CA or missing) is recorded the same
+way, as action ``tls``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from prfaas.errors import KVUnauthorized
 from prfaas.security.identity import Peer, peer_from_cert
 from prfaas.security.policy import authorize
+from prfaas.security.refusals import PLAINTEXT, handshake_reason, refused
 from prfaas.store import AccessRecord
 from prfaas.transfer import protocol as p
 
@@ -46,6 +49,12 @@ class DataPlaneGuard:
             raise
 
 
+    def tls_refused(self, conn: Any, exc: BaseException | None) -> None:
+        """``TransferServer.on_tls_refused``: a failed handshake (``exc``; None for a plaintext peer), recorded as
+        a ``tls`` refusal with the peer's address."""
+        refused(self.on_refused, connection_peer(conn), "tls", PLAINTEXT if exc is None else handshake_reason(exc))
+
+
 def connection_peer(conn: Any) -> Peer:
     """The verified peer of a data-plane ``Conn`` (no TLS or no certificate: a peer without a name)."""
     try:
@@ -53,4 +62,8 @@ def connection_peer(conn: Any) -> Peer:
     except OSError:
         address = ""
     tls = getattr(conn, "tls", None)
-    return peer_from_cert(tls.getpeercert() if tls is not None else None, address)
+    try:
+        cert = tls.getpeercert() if tls is not None else None
+    except ValueError:  # the handshake did not complete
+        cert = None
+    return peer_from_cert(cert, address)

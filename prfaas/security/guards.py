@@ -1,46 +1,82 @@
-"""Where the role guard and the API keys sit in front of each role's HTTP app (called by the services).
+"""Where the role guard, the API keys and the body limit sit in front of each role's HTTP app (called by the
+services).
 
-Instances: only the router may assign work (``/prefill``, ``/generate``, ``/tokenize``); ``/stats`` and
-``/debug`` need any prfaas role. Router: only instances may register (``/internal/*``); ``/v1/*`` and
-``/admin/*`` need an API key when keys are configured. Refusals on an instance with a store are also written to
-its audit log (an access record with outcome ``KV_UNAUTHORIZED`` and the peer identity).
+Every app: request bodies over ``limits.max_body_bytes`` are refused (413). Instances: only the router may assign
+work (``/prefill``, ``/generate``, ``/tokenize``); ``/stats`` and ``/debug`` need any prfaas role. Router: only
+instances may register (``/internal/*``); ``/v1/*`` and ``/admin/*`` need an API key when keys are configured.
+Every refusal — a role refused (403), a missing or invalid API key (401), a failed TLS handshake (plaintext,
+expired, revoked or untrusted certificate) — is written to the audit log with the peer identity
+(``prfaas.security.refusals``): the store's log on an instance with a store, else the process's own log at
+``audit_log`` (``{instance}`` → the instance id, or ``router``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 from prfaas.config import Config
-from prfaas.errors import KVUnauthorized
 from prfaas.security import runtime
-from prfaas.security.apikeys import ApiKeyGuard, parse_keys
-from prfaas.security.asgi import RoleGuard
+from prfaas.security.apikeys import PROTECTED, ApiKeyGuard, parse_keys
+from prfaas.security.asgi import RoleGuard, peer_of
+from prfaas.security.bodylimit import BodyLimit
 from prfaas.security.identity import Peer
-from prfaas.store import AccessRecord
+from prfaas.security.refusals import Record, own_audit, refused
 
 INSTANCE_RULES = (("/prefill", "assign"), ("/generate", "assign"), ("/tokenize", "assign"),
                   ("/stats", "inspect"), ("/debug/", "inspect"))
 ROUTER_RULES = (("/internal/", "register"),)
 
 
-def protect_instance(app: Any, record: Callable[[AccessRecord], None] | None = None) -> None:
-    """Add the role guard to an instance's app when this process runs TLS; ``record`` gets each refusal."""
+def protect_instance(app: Any, record: Record | None = None, config: Config | None = None, name: str = "") -> None:
+    """The body limit, and with TLS the role guard; ``record`` gets each refusal (an instance without a store
+    passes ``config`` and its ``name`` to get an audit log of its own)."""
+    app.add_middleware(BodyLimit)
     if not runtime.enabled():
         return
-
-    def refused(peer: Peer, operation: str, message: str) -> None:
-        if record is not None:
-            record(AccessRecord(operation, "", peer.identity, "", 0, KVUnauthorized.code, int(time.time() * 1000)))
-
-    app.add_middleware(RoleGuard, rules=INSTANCE_RULES, on_refused=refused)
+    if record is None and config is not None:
+        record = own_audit(app, config, name)
+    on_refused = _recorder(record)
+    app.state.tls_refused = on_refused
+    app.add_middleware(RoleGuard, rules=INSTANCE_RULES, on_refused=on_refused)
 
 
 def protect_router(app: Any, config: Config) -> None:
-    """API keys on the public routes (when configured) and, with TLS, the role guard on ``/internal/*``."""
+    """The body limit, API keys on the public routes (when configured) and, with TLS, the role guard on
+    ``/internal/*``; refusals go to the router's own audit log when ``audit_log`` is set."""
+    app.add_middleware(BodyLimit)
+    record = own_audit(app, config, "router")
+    on_refused = _recorder(record)
+    app.state.tls_refused = on_refused
     if runtime.enabled():
-        app.add_middleware(RoleGuard, rules=ROUTER_RULES)
+        app.add_middleware(RoleGuard, rules=ROUTER_RULES, on_refused=on_refused)
     keys = parse_keys(config.api_keys)
     if keys:
         app.add_middleware(ApiKeyGuard, keys=keys)
+        app.add_middleware(KeyRefusals, record=record)
+
+
+def _recorder(record: Record | None) -> Any:
+    def on_refused(peer: Peer, operation: str, message: str) -> None:
+        refused(record, peer, operation, message, logged=True)
+
+    return on_refused
+
+
+class KeyRefusals:
+    """Outside ``ApiKeyGuard``: records each 401 it answers on a protected route (``api_key``, with the peer and
+    whether the key was missing or wrong; never the key)."""
+
+    def __init__(self, app: Any, record: Record | None) -> None:
+        self.app, self.record = app, record
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(PROTECTED):
+            return await self.app(scope, receive, send)
+
+        async def watched(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and message.get("status") == 401:
+                sent = dict(scope.get("headers") or []).get(b"authorization")
+                refused(self.record, peer_of(scope), "api_key", "invalid" if sent else "missing", logged=True)
+            await send(message)
+
+        await self.app(scope, receive, watched)

@@ -11,6 +11,7 @@ import ssl
 from dataclasses import dataclass
 
 from prfaas.config import Config, TLSConfig
+from prfaas.security import limits
 from prfaas.security import tls as tls_contexts
 
 
@@ -25,9 +26,11 @@ _CURRENT: _Settings | None = None
 
 
 def configure(config: Config, role: str) -> None:
-    """Use ``config.tls`` for this process (as ``role``); ``InvalidRequest`` if TLS is required but not set up or
-    a file cannot be loaded. Contexts are built here, so a bad file stops the process at start."""
+    """Use ``config.tls`` and ``config.limits`` for this process (as ``role``); ``InvalidRequest`` if TLS is
+    required but not set up or a file cannot be loaded. Contexts are built here, so a bad file stops the process
+    at start."""
     global _CURRENT
+    limits.configure(config.limits)
     if config.tls.required and not tls_contexts.enabled(config.tls):
         from prfaas.errors import InvalidRequest
 

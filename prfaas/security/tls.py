@@ -3,13 +3,17 @@
 Both sides: minimum TLS 1.3, the private CA as the only trust anchor, this process's certificate presented.
 Servers verify client certificates against the CA: required (``CERT_REQUIRED``) on instances when
 ``tls.required``, optional on the router's public port (OpenAI clients carry API keys, not certificates).
-A plaintext peer fails the handshake, so nothing it sends is read as a request. Failures: a missing or unreadable
-file raises ``InvalidRequest`` naming it.
+A plaintext peer fails the handshake, so nothing it sends is read as a request. With ``tls.crl`` (the CA's
+revocation list, ``prfaas certs revoke``) both sides check the peer's certificate against it
+(``VERIFY_CRL_CHECK_LEAF``): a revoked certificate fails the handshake. Failures: a missing or unreadable file
+raises ``InvalidRequest`` naming it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 import ssl
 
 from prfaas.config import TLSConfig
@@ -50,3 +54,35 @@ def _common(ctx: ssl.SSLContext, tls: TLSConfig) -> None:
         ctx.load_cert_chain(str(tls.cert), str(tls.key))
     except (OSError, ssl.SSLError) as exc:
         raise InvalidRequest(f"tls: cannot load {tls.ca}, {tls.cert} or {tls.key}: {exc}") from exc
+    if tls.crl:
+        _load_crl(ctx, tls.crl)
+
+
+def _load_crl(ctx: ssl.SSLContext, crl: str) -> None:
+    """Check every peer's certificate against the CA's revocation list (``prfaas certs revoke``)."""
+    try:
+        ctx.load_verify_locations(cafile=crl)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"tls: cannot load the revocation list {crl}: {exc}") from exc
+    ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+
+
+TLS_HANDSHAKE = b"\x16"  # the first byte of a TLS client's first record
+
+
+async def first_byte(sock: socket.socket) -> bytes:
+    """The peer's first byte on ``sock`` (non-blocking, nothing read yet), peeked, not consumed, so a handshake
+    still reads it: ``TLS_HANDSHAKE`` for a TLS client, ``b""`` when the peer closed without sending."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(sock.fileno(), _settle, ready)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+    return sock.recv(1, socket.MSG_PEEK)
+
+
+def _settle(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)

@@ -73,13 +73,16 @@ async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awai
                 ssl: ssl_module.SSLContext | None = None,
                 server_class: type[uvicorn.Server] = uvicorn.Server) -> None:
     """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown.
-    With ``ssl`` it serves TLS only (a plaintext peer fails the handshake) and records each peer's certificate
-    for ``prfaas.security.asgi.RoleGuard``."""
-    extra: dict[str, Any] = {}
-    if ssl is not None:
-        from prfaas.security.asgi import PeerH11Protocol
+    With ``ssl`` it serves TLS only (``prfaas.security.asgi.tls_protocol``: a plaintext peer is refused before
+    any request is read, each refusal goes to ``app.state.tls_refused``) and records each peer's certificate for
+    ``prfaas.security.asgi.RoleGuard``."""
+    from prfaas.security import limits
 
-        extra = {"ssl_context_factory": lambda config, default: ssl, "http": PeerH11Protocol}
+    extra: dict[str, Any] = {"http": "h11", "h11_max_incomplete_event_size": limits.current().max_header_bytes}
+    if ssl is not None:
+        from prfaas.security.asgi import tls_protocol
+
+        extra["http"] = tls_protocol(ssl, getattr(app.state, "tls_refused", None))
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, **extra)
     server = server_class(config)  # prfaas.services.drain: SIGTERM drains an instance
     task = asyncio.create_task(server.serve(sockets=[sock]))

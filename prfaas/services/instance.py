@@ -68,7 +68,7 @@ class Instance:
         self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
         http.install_error_handlers(self.app)
         self.drain = drain.attach(self)  # SIGTERM / POST /admin/drain: finish, then exit (drain.py)
-        guards.protect_instance(self.app, self.kv._accessed if self.kv else None)
+        guards.protect_instance(self.app, self.kv._accessed if self.kv else None, config, options.instance_id)
         self._routes()
 
 

@@ -50,7 +50,8 @@ class StoreRuntime:
 
         ssl = runtime.server_ssl()
         guard = DataPlaneGuard(runtime.required(), self._accessed) if ssl is not None else None
-        return IdentifiedTransferServer(self.store, host=host, port=port, ssl=ssl, authorize=guard)
+        return IdentifiedTransferServer(self.store, host=host, port=port, ssl=ssl, authorize=guard,
+                                        on_tls_refused=guard.tls_refused if guard else None)
 
     def sweep(self) -> None:
         self.store.sweep()

@@ -5,6 +5,7 @@ prfaas errors.
     refused / unreachable at connect               → KVUnavailable
     asyncio.IncompleteReadError, reset, broken pipe → KVTruncated    (resume on a new connection)
     ssl.SSLCertVerificationError                   → KVUnauthorized
+    a TLS alert refusing our certificate           → KVUnauthorized (expired, revoked, unknown CA, none sent)
     other ssl.SSLError                             → KVTruncated
 """
 
@@ -18,6 +19,11 @@ from collections.abc import Iterator
 from prfaas.errors import InvalidRequest, KVTimeout, KVTruncated, KVUnauthorized, KVUnavailable, PrfaasError
 from prfaas.transfer import tcp
 from prfaas.transfer.wire import Conn
+
+REFUSED_ALERTS = frozenset({  # TLS alerts a server sends when it refuses the client's certificate
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED", "SSLV3_ALERT_CERTIFICATE_REVOKED", "TLSV1_ALERT_UNKNOWN_CA",
+    "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_CERTIFICATE_UNKNOWN", "TLSV13_ALERT_CERTIFICATE_REQUIRED",
+    "TLSV1_ALERT_ACCESS_DENIED"})
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -54,7 +60,11 @@ def mapped(what: str) -> Iterator[None]:
         raise KVTimeout(f"{what}: deadline passed") from exc
     except ssl_module.SSLCertVerificationError as exc:
         raise KVUnauthorized(f"{what}: TLS peer not trusted") from exc
-    except (asyncio.IncompleteReadError, ConnectionError, ssl_module.SSLError) as exc:
+    except ssl_module.SSLError as exc:
+        if exc.reason in REFUSED_ALERTS:
+            raise KVUnauthorized(f"{what}: the peer refused our certificate ({exc.reason})") from exc
+        raise KVTruncated(f"{what}: connection ended early ({type(exc).__name__})") from exc
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
         raise KVTruncated(f"{what}: connection ended early ({type(exc).__name__})") from exc
     except OSError as exc:
         raise KVTruncated(f"{what}: {exc!r}") from exc

@@ -24,8 +24,9 @@ Fields with defaults (``stride``, ``offset``) may be left out by older peers.
 ``wait_ms`` is how long the server waits for the next chunk that
 is still being written (Get) or for the next frame from the pusher (Put) before answering ``KV_TIMEOUT``.
 
-Every length read from the wire is bounded before anything is allocated: control messages by ``MAX_MESSAGE``,
-header/trailer metadata by the blob format's ``MAX_META``, chunks by the blob's own chunk size.
+Every length read from the wire is bounded before anything is allocated, by the process's wire limits
+(``prfaas.security.limits``): control messages by ``max_message_bytes``, header/trailer metadata by
+``max_meta_bytes``, chunks by the blob's own chunk size (itself at most ``max_chunk_bytes``).
 """
 
 from __future__ import annotations
@@ -43,17 +44,16 @@ from prfaas.errors import KVBadFormat, KVCorrupt, PrfaasError, error_from_code
 from prfaas.kv.format import (
     CHUNK_HEAD_SIZE,
     HEADER_HEAD_SIZE,
-    MAX_CHUNK,
     META_SUM_SIZE,
     TRAILER_HEAD_SIZE,
     meta_length,
     parse_chunk_head,
 )
+from prfaas.security import limits
 from prfaas.store.records import DeletionRecord, StoreStats
 from prfaas.transfer.wire import Conn
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE = 64 << 10
 _MSG_HEAD = struct.Struct(">cII")
 
 
@@ -136,7 +136,7 @@ def decode(body: bytes) -> Message:
     if not required <= set(values) <= set(spec) or not all(isinstance(values[k], spec[k]) for k in values):
         raise KVBadFormat(f"control message {tag!r} has wrong fields: {sorted(values)[:10]}")
     message: Message = cls(**values)
-    if isinstance(message, Get) and not 0 <= message.offset < message.stride <= 64:
+    if isinstance(message, Get) and not 0 <= message.offset < message.stride <= limits.current().max_stride:
         raise KVBadFormat(f"Get stride {message.stride} / offset {message.offset} out of limits")
     return message
 
@@ -164,7 +164,7 @@ class Frame:
         return self.frame if self.frame is not None else self.head + bytes(self.data)
 
 
-async def read_frame(conn: Conn, max_chunk: int = MAX_CHUNK, buffer: Buffer | None = None) -> Frame:
+async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | None = None) -> Frame:
     """Read exactly one frame from ``conn``. A chunk's data goes into ``buffer(length)`` when given (the caller's
     preallocated memory), else into a fresh buffer that also holds the head (``frame``). ``KVCorrupt`` for a
     damaged head or an unknown tag, ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError``
@@ -173,6 +173,7 @@ async def read_frame(conn: Conn, max_chunk: int = MAX_CHUNK, buffer: Buffer | No
     if tag == b"C":
         head = tag + bytes(await conn.read_exactly(CHUNK_HEAD_SIZE - 1))
         index, length, checksum = parse_chunk_head(head)
+        max_chunk = limits.current().max_chunk_bytes if max_chunk is None else max_chunk
         if length > max_chunk:
             raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size {max_chunk}")
         if buffer is not None:
@@ -195,8 +196,8 @@ async def read_frame(conn: Conn, max_chunk: int = MAX_CHUNK, buffer: Buffer | No
 
 async def _read_message_body(conn: Conn) -> Message:
     _, n, checksum = _MSG_HEAD.unpack(b"M" + bytes(await conn.read_exactly(_MSG_HEAD.size - 1)))
-    if n > MAX_MESSAGE:
-        raise KVBadFormat(f"control message of {n} bytes is over the {MAX_MESSAGE}-byte limit")
+    if n > limits.current().max_message_bytes:
+        raise KVBadFormat(f"control message of {n} bytes is over the {limits.current().max_message_bytes}-byte limit")
     body = bytes(await conn.read_exactly(n))
     if xxhash.xxh32_intdigest(body) != checksum:
         raise KVCorrupt("control message failed its xxHash32 check")

@@ -17,8 +17,9 @@ import socket
 import ssl as ssl_module
 from collections.abc import Callable
 
-from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnavailable, PrfaasError
+from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnauthorized, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
+from prfaas.security.tls import TLS_HANDSHAKE, first_byte
 from prfaas.store.access import accessing
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import protocol as p
@@ -36,9 +37,11 @@ class TransferServer:
 
     def __init__(self, store: BlobStore, host: str = "127.0.0.1", port: int = 0,
                  ssl: ssl_module.SSLContext | None = None, idle_s: float = 30.0, send_timeout_s: float = 30.0,
-                 max_connections: int = 256, authorize: Callable[[p.Message, Conn], None] | None = None) -> None:
+                 max_connections: int = 256, authorize: Callable[[p.Message, Conn], None] | None = None,
+                 on_tls_refused: Callable[[Conn, BaseException | None], None] | None = None) -> None:
         self.store, self.host, self.port, self.ssl = store, host, port, ssl
         self.authorize = authorize  # raises (KVUnauthorized) to refuse a request before it touches the store
+        self.on_tls_refused = on_tls_refused  # a failed handshake (None: a plaintext peer), e.g. to the audit log
         self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
         self.connections = 0  # accepted since start (tests count retries with it)
         self._sock: socket.socket | None = None
@@ -87,8 +90,7 @@ class TransferServer:
         try:
             try:
                 if self.ssl is not None:
-                    async with asyncio.timeout(self.idle_s):
-                        await conn.start_tls(self.ssl, server_side=True)
+                    await self._secure(conn)
                 if len(self._tasks) > self.max_connections:
                     raise KVUnavailable(f"data-plane server busy ({self.max_connections} connections)")
                 with mapped("data-plane request"):
@@ -101,6 +103,25 @@ class TransferServer:
             pass  # close(): this top-level task just ends
         finally:
             conn.close()
+
+    async def _secure(self, conn: Conn) -> None:
+        """The TLS handshake. A plaintext peer is answered ``KV_UNAUTHORIZED`` in plaintext before anything it
+        sent is read; a refused certificate gets its TLS alert, then the connection lingers so the alert arrives."""
+        async with asyncio.timeout(self.idle_s):
+            first = await first_byte(conn.sock)
+        if first and first != TLS_HANDSHAKE:
+            if self.on_tls_refused is not None:
+                self.on_tls_refused(conn, None)
+            raise KVUnauthorized("this data-plane server accepts TLS 1.3 only")
+        assert self.ssl is not None
+        try:
+            async with asyncio.timeout(self.idle_s):
+                await conn.start_tls(self.ssl, server_side=True)
+        except ssl_module.SSLError as exc:
+            if self.on_tls_refused is not None:
+                self.on_tls_refused(conn, exc)
+            await self._linger(conn)
+            raise
 
     async def _serve(self, conn: Conn) -> None:
         while True:
@@ -180,10 +201,15 @@ class TransferServer:
     async def _answer_error(self, conn: Conn, exc: PrfaasError) -> None:
         with contextlib.suppress(PrfaasError), mapped("error reply"):
             await self._send(conn, p.encode(p.Error.of(exc)))
+            await self._linger(conn)
+
+    async def _linger(self, conn: Conn) -> None:
+        """Half-close, then read and drop what the peer still sends, so our close does not reset what we sent."""
+        with contextlib.suppress(OSError, TimeoutError):
             conn.write_eof()
             scratch = memoryview(bytearray(1 << 16))
             async with asyncio.timeout(LINGER_S):
-                while await conn.recv_into(scratch):
+                while await asyncio.get_running_loop().sock_recv_into(conn.sock, scratch):
                     pass
 
 

@@ -71,6 +71,10 @@ class Conn:
             except ssl_module.SSLWantReadError:
                 await self._flush()
                 await self._fill()
+            except ssl_module.SSLError:
+                with contextlib.suppress(OSError):
+                    await self._flush()  # our alert (expired, revoked, unknown CA …) tells the peer why
+                raise
         await self._flush()
 
     async def recv_into(self, view: memoryview) -> int:

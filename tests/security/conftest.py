@@ -20,16 +20,17 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def tls_config(pki: Path, role: str, required: bool = True, ca: Path | None = None) -> TLSConfig:
+def tls_config(pki: Path, role: str, required: bool = True, ca: Path | None = None,
+               crl: str | None = None) -> TLSConfig:
     return TLSConfig(ca=str(ca or pki / "ca.pem"), cert=str(pki / f"{role}.pem"), key=str(pki / f"{role}.key"),
-                     required=required)
+                     required=required, crl=crl)
 
 
 @pytest.fixture
 def as_role(pki: Path) -> Iterator[object]:
     """Configure this process's TLS as a role (``as_role("relay")``); reset to plaintext afterwards."""
-    def configure(role: str, required: bool = True, **extra: object) -> Config:
-        config = Config(tls=tls_config(pki, role, required), **extra)  # type: ignore[arg-type]
+    def configure(role: str, required: bool = True, crl: str | None = None, **extra: object) -> Config:
+        config = Config(tls=tls_config(pki, role, required, crl=crl), **extra)  # type: ignore[arg-type]
         runtime.configure(config, role)
         return config
 

@@ -61,8 +61,8 @@ def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
             assert (await call(url, tls.client_context(tls_config(pki, "router")))).status_code == 200
             reply = await call(url, tls.client_context(tls_config(pki, "decode")))
             assert reply.status_code == 403 and reply.json()["error"]["code"] == "KV_UNAUTHORIZED"
-            with pytest.raises(httpx.HTTPError):  # plaintext: the TLS server never reads it as a request
-                await call(url.replace("https", "http"), True)
+            plain = await call(url.replace("https", "http"), True)  # answered in plaintext, never read as a request
+            assert plain.status_code == 403 and plain.json()["error"]["code"] == "KV_UNAUTHORIZED"
             with pytest.raises(httpx.HTTPError):  # no client certificate while required
                 await call(url, ca(pki))
         finally:
@@ -71,8 +71,9 @@ def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
 
     asyncio.run(scenario())
     assert seen == ["prefill"]
-    assert [(r.action, r.who.split("@")[0], r.outcome) for r in refused] == [
-        ("assign", "decode/decode", "KV_UNAUTHORIZED")]
+    assert [(r.action, r.who, r.outcome) for r in refused] == [
+        ("assign", "decode/decode@127.0.0.1", "KV_UNAUTHORIZED"), ("tls", "127.0.0.1", "KV_UNAUTHORIZED"),
+        ("tls", "127.0.0.1", "KV_UNAUTHORIZED")]
 
 
 def test_only_instances_register(pki: Path, as_role: Any) -> None:

@@ -67,6 +67,8 @@ def test_roles_on_the_data_plane(pki: Path, as_role: Any, tmp_path: Path) -> Non
     run(scenario)
     refused = refusals(audit)
     assert [(e["action"], e["who"].split("@")[0]) for e in refused] == [
-        ("create", "decode/decode"), ("read", "prefill/prefill")]
+        ("create", "decode/decode"), ("read", "prefill/prefill"),
+        ("tls", "127.0.0.1"),  # the client that did not trust us ended the handshake
+        ("tls", "127.0.0.1"), ("tls", "127.0.0.1"), ("tls", "127.0.0.1")]  # other CA, expired, plaintext
     assert refused[0]["kv_id"] == other_id
     assert not any(e and e.get("kv_id") == other_id and e.get("outcome") == "ok" for _, e, _ in read_entries(audit))

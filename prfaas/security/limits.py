@@ -1,0 +1,89 @@
+"""Wire limits: the largest length, count and size any parser accepts from a peer (config key ``limits``).
+
+Every parser checks a length read from the wire against these before it allocates anything:
+
+| key                 | default  | checked by                                         | refused with      |
+|---------------------|----------|----------------------------------------------------|-------------------|
+| max_message_bytes   | 64 KiB   | data-plane control message (``transfer.protocol``) | ``KV_BAD_FORMAT`` |
+| max_meta_bytes      | 1 MiB    | blob header, trailer and layer records             | ``KV_BAD_FORMAT`` |
+| max_chunk_bytes     | 64 MiB   | a chunk frame's length, a header's ``chunk_size``  | ``KV_BAD_FORMAT`` |
+| max_layers          | 4096     | layers in a blob                                   | ``KV_BAD_FORMAT`` |
+| max_tensors         | 64       | tensors in one layer                               | ``KV_BAD_FORMAT`` |
+| max_blob_bytes      | 16 GiB   | a blob's payload (``BlobReader``)                  | ``KV_TOO_LARGE``  |
+| max_stride          | 64       | a striped Get's stride                             | ``KV_BAD_FORMAT`` |
+| max_body_bytes      | 16 MiB   | an HTTP request body (``BodyLimit``)               | HTTP 413          |
+| max_header_bytes    | 16 KiB   | an HTTP request head buffered incomplete (h11)     | HTTP 400          |
+
+The defaults are the constants prfaas used before they became configurable (``max_header_bytes`` is h11's own
+default; ``max_body_bytes`` is new: an HTTP body had no limit). A process reads its limits once at start
+(``configure``, called by ``runtime.configure``; the HTTP server reads ``max_header_bytes`` when it starts);
+parsers read them with ``current()``. One process runs one role, so one setting per process is enough. A bad
+value is refused when the config is built (``InvalidRequest`` naming the key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+from prfaas.errors import InvalidRequest
+
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+MIN_CHUNK = 4 * KIB  # the blob format's smallest chunk size
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    max_message_bytes: int = 64 * KIB
+    max_meta_bytes: int = 1 * MIB
+    max_chunk_bytes: int = 64 * MIB
+    max_layers: int = 4096
+    max_tensors: int = 64
+    max_blob_bytes: int = 16 * GIB
+    max_stride: int = 64
+    max_body_bytes: int = 16 * MIB
+    max_header_bytes: int = 16 * KIB
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequest(f"config: limits.{f.name} must be a positive integer, not {value!r}")
+        checks = [
+            (self.max_message_bytes >= 1 * KIB, "limits.max_message_bytes must be at least 1024"),
+            (self.max_meta_bytes >= 4 * KIB, "limits.max_meta_bytes must be at least 4096"),
+            (MIN_CHUNK <= self.max_chunk_bytes <= 1 * GIB, "limits.max_chunk_bytes must be within 4 KiB–1 GiB"),
+            (self.max_blob_bytes >= self.max_chunk_bytes, "limits.max_blob_bytes must be ≥ limits.max_chunk_bytes"),
+            (self.max_stride <= 1024, "limits.max_stride must be within 1–1024"),
+            (self.max_body_bytes >= 1 * KIB, "limits.max_body_bytes must be at least 1024"),
+            (self.max_header_bytes >= 1 * KIB, "limits.max_header_bytes must be at least 1024"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise InvalidRequest(f"config: {message}")
+
+
+_CURRENT = WireLimits()
+
+
+def current() -> WireLimits:
+    """The limits this process's parsers apply."""
+    return _CURRENT
+
+
+def configure(limits: WireLimits) -> None:
+    """Apply ``limits`` to every parser of this process (at start-up)."""
+    global _CURRENT
+    _CURRENT = limits
+
+
+@contextlib.contextmanager
+def using(limits: WireLimits) -> Iterator[WireLimits]:
+    """``limits`` for the duration of the block, then the previous ones (tests, tools)."""
+    before = current()
+    configure(limits)
+    try:
+        yield limits
+    finally:
+        configure(before)
