@@ -31,7 +31,8 @@ from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTooLarge, KV
 from prfaas.kv import codecs
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
 from prfaas.kv.kvid import check_kv_id, new_kv_id
-from prfaas.kv.state import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BYTES, LAYER_KINDS, KVState, LayerState
+from prfaas.kv.state import DEFAULT_CHUNK_BYTES, LAYER_KINDS, KVState, LayerState
+from prfaas.security import limits
 
 MAGIC = b"PRKV"
 _HEADER = struct.Struct(">4sHI")
@@ -40,9 +41,7 @@ _TRAILER = struct.Struct(">cI")
 _HEAD_SUM = struct.Struct(">I")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
-MAX_META = 1 << 20
-MIN_CHUNK, MAX_CHUNK = 4 << 10, 64 << 20
-MAX_LAYERS, MAX_TENSORS = 4096, 64
+MIN_CHUNK = limits.MIN_CHUNK  # the largest lengths and counts accepted: ``limits.current()`` (config ``limits``)
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,9 @@ class BlobHeader:
             if isinstance(exc, KVBadFormat):
                 raise
             raise KVBadFormat(f"bad blob header: {exc}") from exc
-        if not MIN_CHUNK <= header.chunk_size <= MAX_CHUNK or len(layers) > MAX_LAYERS or header.seq_len < 0:
+        top = limits.current()
+        if not MIN_CHUNK <= header.chunk_size <= top.max_chunk_bytes or len(layers) > top.max_layers \
+                or header.seq_len < 0:
             raise KVBadFormat("blob header field out of limits (chunk_size, layer count or seq_len)")
         return header
 
@@ -211,26 +212,65 @@ def _unsealed(view: memoryview, st: struct.Struct, what: str) -> tuple[Any, ...]
 class BlobReader:
     """Parses a blob fed in arbitrary pieces; verifies every chunk before its bytes are used.
 
+    Every chunk's xxHash64 is checked, and the trailer's chunk count and total bytes (the trailer has its own
+    checksum), so a damaged byte anywhere is ``KVCorrupt``; the trailer's ``payload_xxh64`` (written, kept by the
+    stores in their deletion records) is not recomputed over the payload a second time: with every chunk verified
+    in order it could only repeat what the chunk checks already proved, at the cost of hashing every byte twice.
+
+    Memory: by default each layer's bytes are copied once, into a buffer of its own. With an ``arena`` (a uint8
+    array, e.g. from ``prfaas.transfer.buffers``) chunk ``i`` lives at payload offset ``i × chunk_size`` in it: a
+    transport receives it there directly (``chunk_view``) and the layers' tensors are views of the arena, so no
+    payload byte is copied at all (a chunk fed from elsewhere is copied into its place). Every chunk but the last
+    must then be full, as ``BlobWriter`` cuts them.
+
     ``feed`` returns the layers completed so far, so decode can restore layer by layer while chunks still arrive.
     ``next_chunk`` is where a resumed read starts. Errors: ``KVBadFormat`` (magic, version, limits, order),
     ``KVCorrupt`` (any checksum), ``KVTooLarge`` (over ``max_bytes``), ``KVTruncated`` (``state()`` before the
     trailer).
     """
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None) -> None:
+        self.max_bytes = limits.current().max_blob_bytes if max_bytes is None else max_bytes
         self.header: BlobHeader | None = None
         self.trailer: BlobTrailer | None = None
         self.layers: list[LayerState] = []
         self.next_chunk = 0
         self._buf = bytearray()
-        self._payload = _PayloadParser(self)
-        self._hash = xxhash.xxh64()
+        self._payload = _PayloadParser(self.layers, self.max_bytes, arena)  # no cycle: freed as soon as dropped
         self._total = 0
 
     @property
     def done(self) -> bool:
         return self.trailer is not None
+
+    @property
+    def arena(self) -> np.ndarray | None:
+        return self._payload.arena
+
+    def use_arena(self, arena: np.ndarray) -> bool:
+        """Receive into ``arena`` from now on, if no chunk was fed yet and the reader has none; returns whether it
+        was taken (a reader already under way keeps copying)."""
+        if self._payload.arena is not None or self.next_chunk or self._payload.started:
+            return False
+        self._payload.arena = arena
+        return True
+
+    def chunk_view(self, index: int, length: int) -> memoryview:
+        """Where chunk ``index`` of ``length`` bytes should be received: its place in the arena, or a fresh buffer
+        without one. ``KVBadFormat`` over the chunk size, ``KVTooLarge`` past ``max_bytes`` or the arena. Safe
+        from another thread than the one feeding (it only reads the header)."""
+        if self.header is None:
+            raise KVBadFormat("chunk before the blob header")
+        size = self.header.chunk_size
+        if length > size:
+            raise KVBadFormat(f"chunk {index} is {length} bytes, over the blob's chunk size")
+        arena = self._payload.arena
+        if arena is None:
+            return memoryview(bytearray(length))
+        start = index * size
+        if start + length > min(len(arena), self.max_bytes):
+            raise KVTooLarge(f"chunk {index} ends past the {min(len(arena), self.max_bytes)}-byte limit")
+        return arena.data[start:start + length]
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[LayerState]:
         if self.done and len(data):
@@ -259,14 +299,25 @@ class BlobReader:
             raise KVBadFormat(f"chunk {index} is {len(data)} bytes, over the blob's chunk size")
         if xxhash.xxh64_intdigest(data) != checksum:
             raise KVCorrupt(f"chunk {index} failed its xxHash64 check")
-        self._total += len(data)
-        if self._total > self.max_bytes:
+        if self._total + len(data) > self.max_bytes:
             raise KVTooLarge(f"blob exceeds the {self.max_bytes}-byte limit")
-        self._hash.update(data)
+        if self._payload.arena is not None:
+            data = self._placed(index, data)
+        self._total += len(data)
         self.next_chunk += 1
         before = len(self.layers)
         self._payload.feed(data)
         return self.layers[before:]
+
+    def _placed(self, index: int, data: bytes | memoryview) -> memoryview:
+        """``data`` at its place in the arena (copied there unless it was received there)."""
+        assert self.header is not None
+        if self._total != index * self.header.chunk_size:
+            raise KVBadFormat(f"chunk {index} follows a short chunk (only the last may be short)")
+        place = self.chunk_view(index, len(data))
+        if len(data) and np.frombuffer(place, np.uint8).ctypes.data != np.frombuffer(data, np.uint8).ctypes.data:
+            place[:] = data
+        return place
 
     def resume_header(self, frame: bytes | bytearray | memoryview) -> None:
         """A resumed read re-sends the header frame: check that it describes the blob already being read (it is
@@ -319,8 +370,8 @@ class BlobReader:
         _, version, n = head
         if version not in SUPPORTED_VERSIONS:
             raise KVBadFormat(f"unknown KV format version {version}; this reader supports {sorted(SUPPORTED_VERSIONS)}")
-        if n > MAX_META:
-            raise KVBadFormat(f"blob header of {n} bytes is over the {MAX_META}-byte limit")
+        if n > limits.current().max_meta_bytes:
+            raise KVBadFormat(f"blob header of {n} bytes is over the {limits.current().max_meta_bytes}-byte limit")
         start = _HEADER.size + _HEAD_SUM.size
         meta = _verified_meta(view[start:], n, "header")
         if meta is None:
@@ -333,7 +384,7 @@ class BlobReader:
         if head is None:
             return 0
         _, n = head
-        if n > MAX_META:
+        if n > limits.current().max_meta_bytes:
             raise KVBadFormat("blob trailer over its size limit")
         start = _TRAILER.size + _HEAD_SUM.size
         meta = _verified_meta(view[start:], n, "trailer")
@@ -353,8 +404,6 @@ class BlobReader:
         if trailer.chunk_count != self.next_chunk or trailer.total_bytes != self._total:
             raise KVCorrupt(f"trailer says {trailer.chunk_count} chunks / {trailer.total_bytes} bytes, "
                             f"received {self.next_chunk} / {self._total}")
-        if trailer.payload_xxh64 != self._hash.intdigest():
-            raise KVCorrupt("whole-blob xxHash64 mismatch")
         self._payload.close()
         assert self.header is not None
         if [x.index for x in self.layers] != [e["index"] for e in self.header.layers]:
@@ -374,12 +423,16 @@ def _verified_meta(view: memoryview, n: int, what: str) -> memoryview | None:
 class _PayloadParser:
     """Turns the verified payload stream back into ``LayerState`` objects as each layer completes.
 
-    Each layer's bytes are copied exactly once, into a buffer preallocated from its layer record; the tensors are
-    views of that buffer (codec ``none``) or decoded from it. Only the small layer records are staged.
+    Without an arena each layer's bytes are copied exactly once, into a buffer preallocated from its layer record;
+    with one, the data fed is the arena itself (``BlobReader._placed``) and a layer's buffer is the arena's slice
+    where its bytes already are. The tensors are views of that buffer (codec ``none``) or decoded from it. Only
+    the small layer records are staged.
     """
 
-    def __init__(self, reader: BlobReader) -> None:
-        self.reader = reader
+    def __init__(self, layers: list[LayerState], max_bytes: int, arena: np.ndarray | None) -> None:
+        self.layers, self.max_bytes, self.arena = layers, max_bytes, arena
+        self.started = False
+        self._pos = 0  # payload offset of the next byte fed
         self._head = bytearray()  # the current layer record (u32 n + msgpack), while incomplete
         self._meta: dict[str, Any] | None = None
         self._layouts: list[list[tuple[np.dtype, tuple[int, ...]]]] = []
@@ -388,6 +441,7 @@ class _PayloadParser:
 
     def feed(self, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B") if not isinstance(data, memoryview) or data.format != "B" else data
+        self.started = True
         off = 0
         while off < len(view):
             off += self._take_record(view[off:]) if self._meta is None else self._take_data(view[off:])
@@ -408,9 +462,10 @@ class _PayloadParser:
         want = _U32.size if have < _U32.size else _U32.size + _U32.unpack_from(self._head)[0]
         used = min(want - have, len(view))
         self._head += view[:used]
+        self._pos += used
         if len(self._head) == _U32.size:
             (n,) = _U32.unpack_from(self._head)
-            if n > MAX_META:
+            if n > limits.current().max_meta_bytes:
                 raise KVBadFormat(f"layer record of {n} bytes is over the limit")
         if len(self._head) > _U32.size and len(self._head) == want:
             self._begin_layer(_unpack(bytes(self._head[_U32.size:])))
@@ -420,20 +475,28 @@ class _PayloadParser:
     def _take_data(self, view: memoryview) -> int:
         buf = self._layer_buffer()
         used = min(len(buf) - self._filled, len(view))
-        buf[self._filled:self._filled + used] = np.frombuffer(view[:used], dtype=np.uint8)
+        if self.arena is None:
+            buf[self._filled:self._filled + used] = np.frombuffer(view[:used], dtype=np.uint8)
         self._filled += used
+        self._pos += used
         return used
 
     def _begin_layer(self, meta: Any) -> None:
         if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
             raise KVBadFormat("bad layer record")
-        if len(meta["tensors"]) > MAX_TENSORS or len(self.reader.layers) >= MAX_LAYERS:
+        if len(meta["tensors"]) > limits.current().max_tensors or len(self.layers) >= limits.current().max_layers:
             raise KVBadFormat("too many tensors or layers")
         self._layouts = [codecs.part_layout(desc) for desc in meta["tensors"]]
         need = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for lay in self._layouts for dt, shape in lay)
-        if need > self.reader.max_bytes:
-            raise KVTooLarge(f"layer of {need} bytes exceeds the {self.reader.max_bytes}-byte limit")
-        self._meta, self._layer, self._filled = meta, np.empty(need, dtype=np.uint8), 0
+        if need > self.max_bytes:
+            raise KVTooLarge(f"layer of {need} bytes exceeds the {self.max_bytes}-byte limit")
+        if self.arena is None:
+            layer = np.empty(need, dtype=np.uint8)
+        elif self._pos + need > len(self.arena):
+            raise KVTooLarge(f"layer of {need} bytes ends past the {len(self.arena)}-byte arena")
+        else:
+            layer = self.arena[self._pos:self._pos + need]  # where the chunks already put its bytes
+        self._meta, self._layer, self._filled = meta, layer, 0
 
     def _end_layer(self) -> None:
         assert self._meta is not None
@@ -446,7 +509,7 @@ class _PayloadParser:
                 off += n
             tensors[str(desc["name"])] = codecs.decode(desc, parts)
         entry = _check_table_entry(meta)
-        self.reader.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
+        self.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
         self._meta, self._layer, self._filled = None, None, 0
 
 
@@ -467,14 +530,14 @@ def parse_chunk_head(head: bytes | bytearray | memoryview) -> tuple[int, int, in
     tag, index, length, checksum = parsed
     if tag != b"C":
         raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
-    if length > MAX_CHUNK:
-        raise KVBadFormat(f"chunk {index} claims {length} bytes, over the {MAX_CHUNK}-byte limit")
+    if length > limits.current().max_chunk_bytes:
+        raise KVBadFormat(f"chunk {index} claims {length} bytes, over the limit ({limits.current().max_chunk_bytes})")
     return int(index), int(length), int(checksum)
 
 
 def meta_length(head: bytes | bytearray | memoryview) -> int:
     """The msgpack length announced by a header (``HEADER_HEAD_SIZE`` bytes) or trailer (``TRAILER_HEAD_SIZE``)
-    frame head; the whole frame is ``head + length + META_SUM_SIZE`` bytes. Checked against ``MAX_META``."""
+    frame head; the whole frame is ``head + length + META_SUM_SIZE`` bytes. Checked against ``max_meta_bytes``."""
     view = memoryview(head)
     if bytes(view[:1]) == b"T":
         parsed = _unsealed(view, _TRAILER, "trailer")
@@ -488,8 +551,8 @@ def meta_length(head: bytes | bytearray | memoryview) -> int:
         n = None if parsed is None else parsed[2]
     if n is None:
         raise KVTruncated("frame head is incomplete")
-    if n > MAX_META:
-        raise KVBadFormat(f"frame metadata of {n} bytes is over the {MAX_META}-byte limit")
+    if n > limits.current().max_meta_bytes:
+        raise KVBadFormat(f"frame metadata of {n} bytes is over the {limits.current().max_meta_bytes}-byte limit")
     return int(n)
 
 
@@ -513,7 +576,7 @@ def parse_trailer(frame: bytes | bytearray | memoryview) -> BlobTrailer:
     if head is None or head[0] != b"T":
         raise KVBadFormat("not a trailer frame")
     start = TRAILER_HEAD_SIZE
-    if head[1] > MAX_META or len(view) != start + head[1] + _U64.size:
+    if head[1] > limits.current().max_meta_bytes or len(view) != start + head[1] + _U64.size:
         raise KVBadFormat("trailer frame length does not match its head")
     meta = _verified_meta(view[start:], head[1], "trailer")
     assert meta is not None

@@ -1,16 +1,21 @@
 """``pull``: read one blob out of a remote store over ``streams`` TCP connections striped by chunk.
 
 Pipeline of one attempt: each stripe connection receives its chunks (``Get`` with ``stride``/``offset``) straight
-into buffers from its own small pool (``WINDOW`` chunks: back-pressure, bounded memory); one feeder verifies and
-feeds them to the ``BlobReader`` in chunk order on a worker thread (xxHash64 and the copy into the layer buffers
-run while the event loop keeps receiving), then gives the buffer back. A stripe that fails ends the attempt;
-the next attempt resumes every stripe from ``reader.next_chunk`` (the last verified chunk) on new connections.
+into their final place: the reader's payload arena (``buffers``: reused, page-touched memory, one per blob,
+``max_inflight_kv`` of them per process), where chunk ``i`` sits at ``i × chunk_size`` and the layers' tensors end
+up as views — the kernel's copy is the only one. One feeder verifies the chunks (xxHash64, once per byte) and
+feeds them to the ``BlobReader`` in chunk order on a worker thread while the event loop keeps receiving. Memory is
+the blob's own arena, so a stripe may run ahead of the feeder without holding anything extra. A reader that cannot
+take an arena (one already under way) gets each chunk in a fresh buffer, copied into its layers. A stripe that
+fails ends the attempt; the next attempt resumes every stripe from ``reader.next_chunk`` (the last verified chunk)
+on new connections, overwriting whatever unverified chunks the failed one left in the arena.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl as ssl_module
 import time
@@ -20,15 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTimeout, KVTruncated, KVUnavailable, PrfaasError
 from prfaas.kv.format import BlobReader, parse_trailer
 from prfaas.kv.state import KVState, LayerState
+from prfaas.transfer import buffers, stats
 from prfaas.transfer import protocol as p
-from prfaas.transfer import stats
 from prfaas.transfer.conn import close, connect, mapped
 from prfaas.transfer.wire import Conn
 
 log = logging.getLogger(__name__)
 RESUMABLE = (KVTimeout, KVCorrupt, KVTruncated, KVUnavailable)
 BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
-WINDOW = 4  # chunk buffers per stripe
+BATCH = 8  # at most this many consecutive received chunks verified per hand-off to a worker
+POOL_BLOBS = 4  # arenas kept for pulls without a ``max_inflight_kv`` limit
 _VERIFY = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prfaas-verify")
 
 LayersCallback = Callable[[list[LayerState]], None]
@@ -54,8 +60,14 @@ async def pull(address: str, kv_id: str, reader: BlobReader, *, timeout_s: float
     process-wide retry cap allows (``stats``); then the last error is raised. ``KVNotFound``, ``KVExpired``,
     ``KVBadFormat``, ``KVIncompatible`` and ``KVTooLarge`` are raised at once. ``deadline_s`` bounds the whole
     pull (``KVTimeout``; see ``stats.blob_deadline_s``); ``limit`` is ``max_inflight_kv``. ``on_layers`` gets
-    layers as they complete; ``on_retry`` is told each retry. No task, socket or buffer outlives the call."""
+    layers as they complete; ``on_retry`` is told each retry. No task, socket or buffer outlives the call.
+    Chunks are received into a reused arena (``buffers``; ``limit.limit`` arenas per process) that the returned
+    state's tensors are views of; it is reused once the caller drops the state and ``reader``."""
     recorder = stats.RECORDERS["pull"]
+    if reader.arena is None and not reader.next_chunk:
+        pool = buffers.process_pool(limit.limit if limit is not None else POOL_BLOBS)
+        with contextlib.suppress(OSError):  # no mapping that large (strict overcommit): the reader copies instead
+            reader.use_arena(pool.take(reader.max_bytes))
     async with stats.maybe_slot(limit):
         recorder.started()
         start = time.perf_counter()
@@ -100,7 +112,7 @@ class _Attempt:
         self.address, self.kv_id, self.reader, self.timeout_s, self.ssl = address, kv_id, reader, timeout_s, ssl
         self.on_layers, self.streams = on_layers, streams
         self.base = reader.next_chunk
-        self.ready: dict[int, tuple[bytearray, int, int, asyncio.Queue[bytearray]]] = {}
+        self.ready: dict[int, tuple[memoryview, int]] = {}
         self.trailer: bytes | bytearray | None = None
         self.changed = asyncio.Event()
         self.draining = False
@@ -129,7 +141,9 @@ class _Attempt:
         await asyncio.gather(feeder, return_exceptions=True)  # a chunk that fails here is simply fetched again
 
     async def _stripe(self, offset: int) -> None:
-        conn = await connect(self.address, self.ssl, self.timeout_s)
+        recorder = stats.RECORDERS["pull"]
+        conn = await connect(self.address, self.ssl, self.timeout_s, recorder.bandwidth_bps() / self.streams,
+                             recorder.rtt_us / 1e6 or None)
         try:
             with mapped(f"pull {self.kv_id}"):
                 await self._receive(conn, offset)
@@ -145,21 +159,17 @@ class _Attempt:
             first = await p.read_frame(conn, max_chunk=0)
         self._check_header(first)
         assert self.reader.header is not None
-        size = self.reader.header.chunk_size
-        pool: asyncio.Queue[bytearray] = asyncio.Queue()
-        for _ in range(WINDOW):
-            pool.put_nowait(bytearray(size))
+        size, expected = self.reader.header.chunk_size, self.base + offset
         while True:
-            buf = await pool.get()  # back-pressure: at most WINDOW chunks of this stripe wait for the feeder
-            async with asyncio.timeout(self.timeout_s):
-                frame = await p.read_frame(conn, size, _slicer(buf))
+            async with asyncio.timeout(self.timeout_s):  # a chunk lands where chunk ``expected`` belongs
+                frame = await p.read_frame(conn, size, functools.partial(self.reader.chunk_view, expected))
             if frame.tag == b"C":
-                if not get.wants(frame.index) or frame.index in self.ready:
-                    raise KVBadFormat(f"chunk {frame.index} arrived on the wrong stripe")
-                self.ready[frame.index] = (buf, len(frame.data), frame.checksum, pool)
+                if frame.index != expected:
+                    raise KVBadFormat(f"chunk {frame.index} arrived where chunk {expected} was due")
+                self.ready[frame.index] = (memoryview(frame.data), frame.checksum)
                 self.changed.set()
+                expected += self.streams
                 continue
-            pool.put_nowait(buf)
             if frame.tag == b"T":
                 parse_trailer(frame.whole)
                 self.trailer = frame.whole
@@ -184,18 +194,22 @@ class _Attempt:
             index = self.reader.next_chunk
             item = self.ready.pop(index, None)
             if item is not None:
-                buf, length, checksum, pool = item
-                work = loop.run_in_executor(_VERIFY, self.reader.feed_chunk, index, memoryview(buf)[:length],
-                                            checksum)
+                batch = [(index, *item)]  # with the chunks right after it that are in too: one hand-off
+                while len(batch) < BATCH and (more := self.ready.pop(index + len(batch), None)) is not None:
+                    batch.append((index + len(batch), *more))
+                job = _Job(self.reader, batch)
+                del batch, item
+                work = loop.run_in_executor(_VERIFY, job)
                 try:
-                    layers = await asyncio.shield(work)
+                    await asyncio.shield(work)
                 except asyncio.CancelledError:
                     await asyncio.wait([work])  # the reader must not change after this attempt has ended
                     raise
-                finally:
-                    pool.put_nowait(buf)
+                layers, job.layers, error, job.error = job.layers, [], job.error, None
                 if layers and self.on_layers is not None:
                     self.on_layers(layers)
+                if error is not None:
+                    raise error
             elif self.trailer is not None and parse_trailer(self.trailer).chunk_count == index:
                 layers = self.reader.feed(self.trailer)
                 if layers and self.on_layers is not None:
@@ -207,8 +221,28 @@ class _Attempt:
                 await self.changed.wait()
 
 
-def _slicer(buf: bytearray) -> p.Buffer:
-    return lambda n: memoryview(buf)[:n]
+class _Job:
+    """``feed_chunk`` for a run of consecutive chunks, on a verify worker; it holds nothing of the blob once it has
+    run: the worker thread drops its last references to a job only after the event loop has moved on, and an arena
+    is reused only when nothing refers to it (``buffers``). The layers it completed wait in ``layers`` for the
+    feeder, and the error that stopped it (the chunks before it were used, the rest were not) in ``error``."""
+
+    def __init__(self, reader: BlobReader, chunks: list[tuple[int, memoryview, int]]) -> None:
+        self.call: tuple[BlobReader, list[tuple[int, memoryview, int]]] | None = (reader, chunks)
+        self.layers: list[LayerState] = []
+        self.error: PrfaasError | None = None
+
+    def __call__(self) -> None:
+        assert self.call is not None
+        reader, chunks = self.call
+        self.call = None
+        try:
+            for index, data, checksum in chunks:
+                self.layers += reader.feed_chunk(index, data, checksum)
+        except PrfaasError as exc:
+            self.error = exc.with_traceback(None)
+        finally:
+            del reader, chunks
 
 
 def _info(conn: Conn) -> stats.TcpInfo | None:
