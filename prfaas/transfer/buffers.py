@@ -14,7 +14,9 @@ reference count falls back to the pool's own and the arena is free again. No rel
 memory that someone still reads.
 
 Bound: at most ``max_blobs`` arenas (``max_inflight_kv``) per pool; when all are in use a reader gets a fresh,
-untracked mapping, unmapped as usual when dropped. Thread-safe.
+untracked mapping, unmapped as usual when dropped. Idle memory: besides the arenas in use the pool keeps at most
+``SPARE`` free ones (the rest are unmapped at the next ``take``), so a burst of pulls does not pin its peak memory
+while sequential pulls still always find a touched arena. Thread-safe.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 import numpy as np
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux; Python 3.11 does not export it
+SPARE = 1  # free arenas kept beyond those in use
 _POOLS: dict[int, ArenaPool] = {}
 _POOLS_LOCK = threading.Lock()
 
@@ -52,19 +55,35 @@ class ArenaPool:
     def take(self, capacity: int) -> np.ndarray:
         """An arena of at least ``capacity`` bytes that nobody else holds."""
         with self._lock:
-            for arena in self._arenas:
-                # referents: the list, ``arena`` and getrefcount's argument; more is a reader or a tensor
-                if len(arena) >= capacity and sys.getrefcount(arena) <= 3:
-                    self.reused += 1
-                    return arena
-            if len(self._arenas) < self.max_blobs:
-                self._arenas.append(new_arena(capacity))
-                return self._arenas[-1]
-            for i, arena in enumerate(self._arenas):
-                if sys.getrefcount(arena) <= 3:  # free but too small: replace it by a larger one
-                    self._arenas[i] = new_arena(capacity)
-                    return self._arenas[i]
-        return new_arena(capacity)
+            chosen = self._choose(capacity)
+            self._trim(chosen)
+        return chosen if chosen is not None else new_arena(capacity)
+
+    def _choose(self, capacity: int) -> np.ndarray | None:
+        for arena in self._arenas:
+            # referents: the list, ``arena`` and getrefcount's argument; more is a reader or a tensor
+            if len(arena) >= capacity and sys.getrefcount(arena) <= 3:
+                self.reused += 1
+                return arena
+        if len(self._arenas) < self.max_blobs:
+            self._arenas.append(new_arena(capacity))
+            return self._arenas[-1]
+        for i, arena in enumerate(self._arenas):
+            if sys.getrefcount(arena) <= 3:  # free but too small: replace it by a larger one
+                self._arenas[i] = new_arena(capacity)
+                return self._arenas[i]
+        return None
+
+    def _trim(self, chosen: np.ndarray | None) -> None:
+        """Unmap free arenas beyond ``SPARE`` (besides ``chosen``)."""
+        keep, spare = [], 0
+        for arena in self._arenas:
+            if arena is not chosen and sys.getrefcount(arena) <= 3:
+                if spare >= SPARE:
+                    continue
+                spare += 1
+            keep.append(arena)
+        self._arenas = keep
 
     @property
     def arenas(self) -> int:

@@ -79,3 +79,12 @@ def _arena_of(state: KVState) -> np.ndarray:
         base = base.base
     assert isinstance(base, np.ndarray)
     return base
+
+
+def test_a_burst_does_not_pin_its_peak_memory() -> None:
+    pool = ArenaPool(4)
+    burst = [pool.take(MiB) for _ in range(4)]
+    assert pool.arenas == 4
+    del burst
+    again = pool.take(MiB)  # one reused, one spare kept, the other two unmapped
+    assert pool.arenas == 2 and pool.reused == 1 and again.nbytes >= MiB
