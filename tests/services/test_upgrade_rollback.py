@@ -14,7 +14,17 @@ from typer.testing import CliRunner
 from prfaas.cli import app
 from tests.services.deploy import deployment
 from tests.services.test_faults import config_file, instances, pid_of
-from tests.services.test_upgrade import MODEL, THRESHOLD, Load, _admin, _spawn, _stop, _wait_registered, variant_model
+from tests.services.test_upgrade import (
+    MODEL,
+    PAUSE_S,
+    THRESHOLD,
+    Load,
+    _admin,
+    _spawn,
+    _stop,
+    _wait_registered,
+    variant_model,
+)
 
 
 def test_a_failing_canary_is_rolled_back(tmp_path: Path) -> None:
@@ -28,7 +38,7 @@ def test_a_failing_canary_is_rolled_back(tmp_path: Path) -> None:
         new = [_spawn(url, "decode", "decode-v2", variant, config, tmp_path / "decode-v2.log")]
         try:
             _wait_registered(url, {"decode-v2"}, new)
-            with Load(url, 2) as load:
+            with Load(url, 2, PAUSE_S) as load:
                 os.kill(pid_of(url, "decode-v2"), signal.SIGKILL)  # the canary crashes before traffic moves
                 new_key = next(p["pool"] for p in httpx.get(f"{url}/admin/pools").json()["pools"] if p["pool"] != old)
                 result = CliRunner().invoke(app, ["admin", "rollout", new_key, "--router", url, "--steps", "50,100",
