@@ -26,7 +26,6 @@ NONE = "none"  # a layer with nothing cached (MLP/MoE-only layers, shared-KV con
 LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, MLA, LINEAR_ATTENTION, MAMBA, CONV, CACHE_STATE, NONE)
 ATTENTION_KINDS = frozenset({FULL_ATTENTION, SLIDING_ATTENTION, MLA})
 DEFAULT_CHUNK_BYTES = 1024 * 1024
-DEFAULT_MAX_BYTES = 16 * 1024**3
 
 
 @dataclass
@@ -93,8 +92,9 @@ class KVState:
         return b"".join(out)
 
     @classmethod
-    def from_bytes(cls, blob: bytes | bytearray | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> KVState:
-        """Parse and verify a whole blob; raises ``KVCorrupt``, ``KVTruncated``, ``KVBadFormat`` or ``KVTooLarge``."""
+    def from_bytes(cls, blob: bytes | bytearray | memoryview, max_bytes: int | None = None) -> KVState:
+        """Parse and verify a whole blob; raises ``KVCorrupt``, ``KVTruncated``, ``KVBadFormat`` or ``KVTooLarge``
+        (over ``max_bytes``, default ``limits.max_blob_bytes``)."""
         from prfaas.kv.format import BlobReader
 
         reader = BlobReader(max_bytes=max_bytes)
