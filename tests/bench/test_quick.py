@@ -34,7 +34,7 @@ def test_quick_profile_through_the_lab_passes_in_normal_conditions(tmp_path: Pat
         pytest.skip(reason)
     out = tmp_path / "quick"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "acceptance_quick.py"), "--out", str(out),
-                           "--port", "8390", "--", "--quiet"], capture_output=True, text=True, timeout=420)
+                           "--port", "8390", "--", "--quiet"], capture_output=True, text=True, timeout=560)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: some fault cell failed acceptance (reported)
     assert Topology().ns_a not in namespaces(), "the lab was left up"
     results = json.loads((out / "results.json").read_text())
