@@ -5,7 +5,8 @@ the same position ``end`` and span the layer's ``held`` positions before it (lef
 attention mask). A decode step writes the new token's K/V at ``end`` and moves ``end`` on, instead of concatenating
 the whole cache as transformers' ``DynamicLayer`` does; ``layer.keys`` / ``layer.values`` stay views of the buffer,
 so the model and the mask code see the usual shapes. Buffers are zero-filled when made and only ever receive K/V, so
-padded positions hold finite values that the mask weights by exactly zero.
+padded positions hold finite values that the mask weights by exactly zero. Buffers made during a forward pass are
+inference tensors, so every operation on them runs in inference mode.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def _view(layer: Any, rows: int, visible: int) -> None:
     layer.values = layer._prfaas_v[:rows, :, end - visible:end]
 
 
+@torch.inference_mode()
 def adopt(layer: Any, max_rows: int) -> None:
     """Move an attention layer's K/V into buffers and make its ``update`` write in place."""
     rows, n = layer.keys.shape[0], layer.keys.shape[-2]
@@ -78,6 +80,7 @@ def adopt(layer: Any, max_rows: int) -> None:
     _view(layer, rows, n)
 
 
+@torch.inference_mode()
 def join(layer: Any, other: Any, target: int, other_length: int, max_rows: int) -> None:
     """Add ``other``'s single row in the next slot; every row then shows ``held(target)`` positions."""
     window = _window(layer)
@@ -93,6 +96,7 @@ def join(layer: Any, other: Any, target: int, other_length: int, max_rows: int) 
     _view(layer, rows + 1, visible)
 
 
+@torch.inference_mode()
 def remove(layer: Any, slot: int, target: int) -> None:
     """Drop the row in ``slot`` (the last row moves into it); every remaining row then shows ``held(target)``."""
     rows, window, end, visible = layer.keys.shape[0], _window(layer), layer._prfaas_end, layer.keys.shape[-2]

@@ -70,3 +70,29 @@ def test_removed_rows_free_their_memory(engines) -> None:
     both = batch.kv_bytes()
     batch.remove("0")  # the long row leaves: its padding of the short row is trimmed away
     assert batch.length == 21 and batch.kv_bytes() < both / 10
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+def test_buffers_grow_past_their_headroom_and_windows_slide(engines, name: str) -> None:
+    """Short prompts decoded well past the buffers' first headroom (64 positions) and past Gemma3's 64-token
+    sliding window: the in-place buffers reallocate mid-run and stay exact."""
+    engine = engines(name)
+    prompts, new = [random_prompt(n, seed=20 + n) for n in (3, 9)], 90
+    refs = [engine.generate(p, new) for p in prompts]
+    batch, outs = DecodeBatch(engine, max_batch=2), {}
+    for i, prompt in enumerate(prompts):
+        cache, token, _ = engine.prefill_cache(prompt)
+        outs[i] = [token]
+        batch.add(Row(str(i), len(prompt), token, None, 1), cache)
+    first_capacity = batch.kv_bytes()
+    while len(batch):
+        for seq_id, token in batch.step().items():
+            outs[int(seq_id)].append(token)
+            if len(outs[int(seq_id)]) >= new or token in engine.eos_token_ids:
+                batch.remove(seq_id)
+        if len(batch) == 2 and batch.length == 80:
+            assert batch.kv_bytes() > first_capacity  # grew at least once
+    for i, ref in enumerate(refs):
+        got = outs[i]
+        if got != ref[: len(got)]:
+            assert first_divergence_is_a_near_tie(engine, prompts[i], got, ref), (i, got, ref)
