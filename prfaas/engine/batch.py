@@ -85,10 +85,11 @@ class DecodeBatch:
             order[slot] = last
         index = torch.tensor(order, device=self.engine.device)
         self.length = max(r.length for r in self.rows)
-        for layer in self.cache.layers:
-            if _attention(layer):
-                slots.remove(layer, slot, self.length)
-        _select_states(self.cache, index)
+        with torch.inference_mode():  # the cache's tensors are inference tensors: updated in place only in this mode
+            for layer in self.cache.layers:
+                if _attention(layer):
+                    slots.remove(layer, slot, self.length)
+            _select_states(self.cache, index)
 
     def step(self) -> dict[str, int]:
         """One forward pass; returns each row's new token (rows stay in the batch until removed)."""
