@@ -20,6 +20,7 @@ from prfaas.store.redis_backend import RedisBackend
 from prfaas.store.sealed import SealedBackend
 from tests.services.deploy import free_port
 from tests.store.conftest import MISSING
+from tests.store.test_store import read_all
 from tests.transfer.helpers import blob_frames, fill, make_state, run
 
 PASSWORD = "s3cret-" + "p" * 20
@@ -70,7 +71,7 @@ def test_tls_and_acl_credentials_carry_sealed_blobs(tls_redis: tuple, monkeypatc
     store = BlobStore(64 << 20, 120, backend=SealedBackend(backend, bytes(32)))
     kv_id, frames = blob_frames(make_state())
     fill(store, kv_id, frames)
-    assert run(lambda: _read(store, kv_id)) == frames
+    assert run(lambda: read_all(store, kv_id)) == frames
     assert store.release(kv_id).key_destroyed
     assert backend.live_keys() == []
     store.close()
@@ -88,6 +89,3 @@ def test_refused_connections(tls_redis: tuple, case: str) -> None:
     with pytest.raises(KVUnavailable):
         RedisBackend(url, "prfaas:refused:", None, timeout_s=2.0, ca=str(trust))
 
-
-async def _read(store: BlobStore, kv_id: str) -> list[bytes]:
-    return [frame async for frame in store.frames(kv_id, 0, 2.0)]

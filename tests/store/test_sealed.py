@@ -18,6 +18,7 @@ from prfaas.store import BlobStore, MemoryBackend
 from prfaas.store.backend import HEADER, TRAILER
 from prfaas.store.sealed import KEY_ENV, SealedBackend, load_master_key, new_master_key
 from tests.store.conftest import BACKENDS
+from tests.store.test_store import read_all
 from tests.transfer.helpers import blob_frames, fill, make_state, run
 
 MASTER = bytes(range(32))
@@ -69,7 +70,7 @@ def test_blobs_at_rest_are_ciphertext_and_read_back_exactly(sealed: tuple) -> No
     leaks = [w for frame in frames for w in _windows(frame) if w in stored]
     assert not leaks, f"{len(leaks)} plaintext windows found at rest"
     assert kv_id.encode() not in stored  # not even the header's id is readable
-    assert run(lambda: _read(store, kv_id)) == frames
+    assert run(lambda: read_all(store, kv_id)) == frames
     store.release(kv_id)
     store.close()
 
@@ -101,7 +102,7 @@ def test_every_end_destroys_the_key_and_tampering_is_caught(sealed: tuple) -> No
     damaged[40] ^= 1
     backend.inner.put(store._live[kv_id].meta(), 1, bytes(damaged))
     with pytest.raises(KVCorrupt, match="authentication tag"):
-        run(lambda: _read(store, kv_id))
+        run(lambda: read_all(store, kv_id))
     other, frames = blob_frames(make_state(seed=2))
     fill(store, other, frames)
     ended = store.close()
@@ -142,6 +143,3 @@ def test_master_key_sources_and_checks(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(InvalidRequest, match="32 bytes"):
         SealedBackend(MemoryBackend(), b"short")
 
-
-async def _read(store: BlobStore, kv_id: str) -> list[bytes]:
-    return [frame async for frame in store.frames(kv_id, 0, 2.0)]

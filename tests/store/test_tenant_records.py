@@ -7,17 +7,10 @@ import pytest
 from prfaas.errors import InvalidRequest
 from prfaas.store import AccessRecord, DeletionRecord, accessing
 from tests.store.conftest import StoreFactory
+from tests.store.test_store import Clock, read_all
 from tests.transfer.helpers import blob_frames, fill, make_state, run
 
 MiB = 1 << 20
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_records_carry_the_tenant_and_the_blob_keeps_its_own_ttl(make_store: StoreFactory) -> None:
@@ -31,7 +24,7 @@ def test_records_carry_the_tenant_and_the_blob_keeps_its_own_ttl(make_store: Sto
     store.finish(short, frames[-1])
     long_id, long_frames = blob_frames(make_state(seed=2))
     fill(store, long_id, long_frames)  # no tenant, the store's TTL
-    run(lambda: _read(store, short))
+    run(lambda: read_all(store, short))
     clock.now += 61
     assert [r.kv_id for r in store.sweep()] == [short]
     assert {a.action for a in accesses if a.kv_id == short} == {"create", "finish", "read"}
@@ -44,6 +37,3 @@ def test_records_carry_the_tenant_and_the_blob_keeps_its_own_ttl(make_store: Sto
     store.release(long_id)
     store.close()
 
-
-async def _read(store, kv_id: str) -> list[bytes]:  # type: ignore[no-untyped-def]
-    return [frame async for frame in store.frames(kv_id, 0, 2.0)]
