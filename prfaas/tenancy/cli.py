@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from prfaas.audit.report import entries
 from prfaas.tenancy import metering
 
 
@@ -19,7 +20,7 @@ def usage(logs: list[Path] = typer.Argument(..., help="audit logs: the router's 
     """Per-tenant usage for one day: requests, tokens, KV bytes across the WAN and byte-seconds held, per
     datacenter pair, and the offload fraction, summed from the audit logs (check them with `prfaas audit verify`)."""
     chosen = None if day == "all" else day or metering.today()
-    report = metering.usage_report(metering.read_logs(list(logs)), chosen)
+    report = metering.usage_report(entries(list(logs)), chosen)
     text = json.dumps(report, sort_keys=True)
     if out:
         out.write_text(text + "\n")

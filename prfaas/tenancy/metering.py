@@ -21,7 +21,6 @@ pair, requests (and how many remote), tokens, WAN bytes, byte-seconds held per d
 from __future__ import annotations
 
 import datetime as dt
-import os
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -144,9 +143,3 @@ def _day_bounds(day: str | None) -> tuple[int, int]:
 
 def today() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d")
-
-
-def read_logs(paths: list[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    from prfaas.audit.report import entries
-
-    return entries(paths)
