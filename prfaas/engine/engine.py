@@ -35,6 +35,8 @@ class PrefillOutput:
 class Engine:
     """A loaded model with its tokenizer and compatibility fingerprint. Not thread-safe: one caller at a time."""
 
+    keeps_kv = True  # restore() needs the KV bytes (a synthetic engine needs only their sizes)
+
     def __init__(self, model: Any, tokenizer: Any, name: str, fingerprint: Fingerprint) -> None:
         self.model = model
         self.tokenizer = tokenizer

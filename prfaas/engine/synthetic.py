@@ -33,7 +33,9 @@ and hands each layer's ``LayerState`` to ``on_layer`` on schedule, so chunks str
 Tensor contents are a fixed pseudo-random bfloat16 pattern (views, no per-request copy); the first token is a hash
 of the prompt and every next token a function of the previous one and its position, so local and remote paths give
 the same tokens. A restore checks the fingerprint and that every layer has exactly the planned bytes, then keeps only
-the sequence length (the decode instance does not hold the KV it received: memory stays bounded).
+the sequence length. ``keeps_kv = False`` tells decode to pull with a reader that verifies and parses every byte but
+keeps none (``BlobReader(retain=False)``), so even a 32K MiniMax-M2 blob (8.3 GB) streams through decode in a few
+chunk buffers.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class _Pattern:
 
 class SyntheticEngine(Engine):
     """An ``Engine`` with the KV sizes and timings of ``spec`` (see the module docstring)."""
+
+    keeps_kv = False  # decode streams pulled KV through verification and keeps none of it
 
     def __init__(self, spec: SyntheticSpec) -> None:  # no model to probe: Engine.__init__ is not called
         self.spec = spec

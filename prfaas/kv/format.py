@@ -223,20 +223,27 @@ class BlobReader:
     payload byte is copied at all (a chunk fed from elsewhere is copied into its place). Every chunk but the last
     must then be full, as ``BlobWriter`` cuts them.
 
+    With ``retain=False`` (an engine that keeps no KV, such as the synthetic ones) every byte is still received,
+    verified and parsed, but nothing is kept: each layer comes out with read-only zero-stride placeholders of its
+    decoded dtype and shape (``nbytes`` as sent), so a blob of gigabytes streams through a few chunk buffers.
+
     ``feed`` returns the layers completed so far, so decode can restore layer by layer while chunks still arrive.
     ``next_chunk`` is where a resumed read starts. Errors: ``KVBadFormat`` (magic, version, limits, order),
     ``KVCorrupt`` (any checksum), ``KVTooLarge`` (over ``max_bytes``), ``KVTruncated`` (``state()`` before the
     trailer).
     """
 
-    def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None) -> None:
+    def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None, retain: bool = True) -> None:
+        if arena is not None and not retain:
+            raise ValueError("a reader that keeps nothing takes no arena")
         self.max_bytes = limits.current().max_blob_bytes if max_bytes is None else max_bytes
+        self.retain = retain
         self.header: BlobHeader | None = None
         self.trailer: BlobTrailer | None = None
         self.layers: list[LayerState] = []
         self.next_chunk = 0
         self._buf = bytearray()
-        self._payload = _PayloadParser(self.layers, self.max_bytes, arena)  # no cycle: freed as soon as dropped
+        self._payload = _PayloadParser(self.layers, self.max_bytes, arena, retain)  # no cycle: freed when dropped
         self._total = 0
 
     @property
@@ -250,7 +257,7 @@ class BlobReader:
     def use_arena(self, arena: np.ndarray) -> bool:
         """Receive into ``arena`` from now on, if no chunk was fed yet and the reader has none; returns whether it
         was taken (a reader already under way keeps copying)."""
-        if self._payload.arena is not None or self.next_chunk or self._payload.started:
+        if not self.retain or self._payload.arena is not None or self.next_chunk or self._payload.started:
             return False
         self._payload.arena = arena
         return True
@@ -429,14 +436,16 @@ class _PayloadParser:
     the small layer records are staged.
     """
 
-    def __init__(self, layers: list[LayerState], max_bytes: int, arena: np.ndarray | None) -> None:
-        self.layers, self.max_bytes, self.arena = layers, max_bytes, arena
+    def __init__(self, layers: list[LayerState], max_bytes: int, arena: np.ndarray | None,
+                 retain: bool = True) -> None:
+        self.layers, self.max_bytes, self.arena, self.retain = layers, max_bytes, arena, retain
         self.started = False
         self._pos = 0  # payload offset of the next byte fed
         self._head = bytearray()  # the current layer record (u32 n + msgpack), while incomplete
         self._meta: dict[str, Any] | None = None
         self._layouts: list[list[tuple[np.dtype, tuple[int, ...]]]] = []
         self._layer: np.ndarray | None = None
+        self._need = 0  # bytes of the current layer
         self._filled = 0
 
     def feed(self, data: bytes | memoryview) -> None:
@@ -445,7 +454,7 @@ class _PayloadParser:
         off = 0
         while off < len(view):
             off += self._take_record(view[off:]) if self._meta is None else self._take_data(view[off:])
-            if self._meta is not None and self._filled == len(self._layer_buffer()):
+            if self._meta is not None and self._filled == self._need:
                 self._end_layer()
 
     def close(self) -> None:
@@ -473,9 +482,9 @@ class _PayloadParser:
         return used
 
     def _take_data(self, view: memoryview) -> int:
-        buf = self._layer_buffer()
-        used = min(len(buf) - self._filled, len(view))
-        if self.arena is None:
+        used = min(self._need - self._filled, len(view))
+        if self.arena is None and self.retain:
+            buf = self._layer_buffer()
             buf[self._filled:self._filled + used] = np.frombuffer(view[:used], dtype=np.uint8)
         self._filled += used
         self._pos += used
@@ -490,18 +499,25 @@ class _PayloadParser:
         need = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for lay in self._layouts for dt, shape in lay)
         if need > self.max_bytes:
             raise KVTooLarge(f"layer of {need} bytes exceeds the {self.max_bytes}-byte limit")
-        if self.arena is None:
+        if not self.retain:
+            layer = None
+        elif self.arena is None:
             layer = np.empty(need, dtype=np.uint8)
         elif self._pos + need > len(self.arena):
             raise KVTooLarge(f"layer of {need} bytes ends past the {len(self.arena)}-byte arena")
         else:
             layer = self.arena[self._pos:self._pos + need]  # where the chunks already put its bytes
-        self._meta, self._layer, self._filled = meta, layer, 0
+        self._meta, self._layer, self._need, self._filled = meta, layer, need, 0
 
     def _end_layer(self) -> None:
         assert self._meta is not None
-        meta, raw, off, tensors = self._meta, self._layer_buffer(), 0, {}
+        meta, off, tensors = self._meta, 0, {}
         for desc, layout in zip(meta["tensors"], self._layouts, strict=True):
+            if not self.retain:
+                dims = tuple(int(d) for d in desc["shape"])
+                tensors[str(desc["name"])] = np.broadcast_to(np.zeros((), codecs.dtype_of(desc["dtype"])), dims)
+                continue
+            raw = self._layer_buffer()
             parts = []
             for dt, shape in layout:
                 n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
@@ -510,7 +526,7 @@ class _PayloadParser:
             tensors[str(desc["name"])] = codecs.decode(desc, parts)
         entry = _check_table_entry(meta)
         self.layers.append(LayerState(tensors=tensors, attrs=dict(meta.get("attrs") or {}), **entry))
-        self._meta, self._layer, self._filled = None, None, 0
+        self._meta, self._layer, self._need, self._filled = None, None, 0, 0
 
 
 # Frame-level parsing for transports that delimit frames on the wire (``prfaas.transfer``) and for stores that keep

@@ -35,6 +35,7 @@ class DecodeService:
         self.batcher = Batcher(engine, config.decode_max_batch)
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
+        self.keeps_kv = bool(getattr(engine, "keeps_kv", True))  # False: pulled KV is verified, then dropped
 
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -143,7 +144,8 @@ class DecodeService:
         timeout_s = self.config.kv_transfer_timeout_ms / 1e3 + 10.0
         while True:
             try:
-                kv = await pull(request.kv_address, request.kv_id, BlobReader(), timeout_s=timeout_s,
+                reader = BlobReader(retain=self.keeps_kv)
+                kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
                                 ssl=tls_runtime.client_ssl(),
                                 retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
                                 limit=transfer_stats.process_limit(self.config.max_inflight_kv))

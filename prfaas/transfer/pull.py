@@ -64,7 +64,7 @@ async def pull(address: str, kv_id: str, reader: BlobReader, *, timeout_s: float
     Chunks are received into a reused arena (``buffers``; ``limit.limit`` arenas per process) that the returned
     state's tensors are views of; it is reused once the caller drops the state and ``reader``."""
     recorder = stats.RECORDERS["pull"]
-    if reader.arena is None and not reader.next_chunk:
+    if reader.retain and reader.arena is None and not reader.next_chunk:
         pool = buffers.process_pool(limit.limit if limit is not None else POOL_BLOBS)
         with contextlib.suppress(OSError):  # no mapping that large (strict overcommit): the reader copies instead
             reader.use_arena(pool.take(reader.max_bytes))

@@ -11,7 +11,7 @@ import pytest
 from prfaas.engine import load_engine
 from prfaas.engine.synthetic import SPECS, SyntheticCache, SyntheticEngine, next_token
 from prfaas.errors import KVBadFormat, KVIncompatible
-from prfaas.kv import KVState
+from prfaas.kv import BlobReader, KVState
 from prfaas.plan.kvcalc import plan_from_path
 from tests.services.deploy import deployment
 
@@ -47,6 +47,9 @@ def test_blob_round_trip_through_the_real_format(engine: SyntheticEngine) -> Non
     assert back.first_token == out.next_token and back.seq_len == len(prompt)
     assert engine.decode(back, out.next_token, 8) == engine.generate(prompt, 9)[1:]
     assert isinstance(engine.restore(back), SyntheticCache)
+    streamed = BlobReader(retain=engine.keeps_kv)  # what decode pulls with: verified and parsed, sizes kept
+    streamed.feed(blob)
+    assert engine.decode(streamed.state(), out.next_token, 8) == engine.generate(prompt, 9)[1:]
 
 
 def test_restore_refuses_a_wrong_size_or_another_model(engine: SyntheticEngine) -> None:
