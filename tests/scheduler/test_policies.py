@@ -64,7 +64,7 @@ def test_link_monitor_degrades_and_probes() -> None:
     link.record(True, 500)
     health = link.health()
     assert health.degraded and "P99" in health.reason
-    assert [link.allow_remote()[0] for _ in range(6)] == [False, False, True, False, False, True]
+    assert [link.allow_remote()[0] for _ in range(6)] == [True, False, True, False, False, True]  # a probe at once
     clock.now = 100.0  # old samples leave the window
     for _ in range(10):
         link.record(True, 5)
@@ -72,6 +72,27 @@ def test_link_monitor_degrades_and_probes() -> None:
     for _ in range(2):
         link.record(False)
     assert "success rate" in link.health().reason
+
+
+def test_a_degraded_link_probes_on_time_and_recovers_after_healthy_probes() -> None:
+    clock = Clock()
+    link = LinkMonitor(degrade_p99_ms=50, success_rate_threshold=0.99, window_s=60, probe_every=1000,
+                       probe_interval_s=2.0, recover_after=3, clock=clock)
+    for _ in range(10):
+        link.record(False)
+    assert link.health().degraded
+    assert [link.allow_remote()[0] for _ in range(5)] == [True, False, False, False, False]
+    clock.now += 2.0
+    assert link.allow_remote()[0] and not link.allow_remote()[0]  # one probe per interval, whatever the traffic
+    link.record(True, 5)
+    link.record(True, 500)  # slow: not healthy, the count starts again
+    link.record(True, 5)
+    link.record(True, 5)
+    assert link.health().degraded
+    link.record(True, 5)  # three healthy outcomes in a row: the failures before them are forgotten
+    health = link.health()
+    assert not health.degraded and health.samples == 3
+    assert link.allow_remote() == (True, "not enough samples")
 
 
 def test_prefill_speed_interpolates_and_learns() -> None:
@@ -119,6 +140,7 @@ def test_routes() -> None:
     assert Scheduler(config, "direct").route(500, prefill, []).route == "remote"
     for _ in range(10):
         s.link.record(False)
+    assert s.route(500, prefill, relay).route == "remote"  # the first one probes the link
     assert s.route(500, prefill, relay).reason_code == "link_degraded"
     strict = Scheduler(config.replace(fallback_local_prefill=False), "relay")
     with pytest.raises(KVUnavailable, match="fallback_local_prefill is off"):
