@@ -23,7 +23,8 @@ CONDITIONS = ("normal", "delay", "loss", "cut")
 @dataclass(frozen=True)
 class Network:
     """Lab settings per condition: every cell runs on ``rate``; ``delay`` adds delay/jitter, ``loss`` adds loss,
-    ``cut`` drops the WAN from ``cut_at_s`` for ``cut_s`` seconds of the cell."""
+    ``cut`` drops the WAN from ``cut_at_s`` for ``cut_s`` seconds of the cell, and again every ``cut_every_s``
+    seconds after that when it is set (a long soak)."""
 
     rate: str | None = "1gbit"
     delay_ms: float = 10.0
@@ -31,6 +32,11 @@ class Network:
     loss: float = 0.01
     cut_at_s: float = 1.0
     cut_s: float = 2.0
+    cut_every_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.cut_every_s is not None and self.cut_every_s <= self.cut_s:
+            raise InvalidRequest("network.cut_every_s must be longer than network.cut_s")
 
 
 @dataclass(frozen=True)

@@ -7,23 +7,24 @@ Without a lab that is up (or without root) every condition but ``normal`` is ski
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
 from prfaas.bench.matrix import Network
 from prfaas.errors import LabUnavailable
 from prfaas.lab.lab import Lab
-from prfaas.lab.spec import LinkSettings
+from prfaas.lab.spec import LinkSettings, Topology
 
 
 class NetworkControl:
-    def __init__(self, network: Network) -> None:
+    def __init__(self, network: Network, topo: Topology | None = None) -> None:
         self.network = network
         self.lab: Lab | None = None
         self.saved: LinkSettings | None = None
         self.reason = ""
         try:
-            lab = Lab()
+            lab = Lab(topo=topo)
             self.saved = lab.current()
             self.lab = lab
         except LabUnavailable as exc:
@@ -50,17 +51,28 @@ class NetworkControl:
         self.lab.reset(link)
         return link
 
-    async def cut_during(self, epoch: float) -> tuple[float, float]:
-        """Cut the WAN ``cut_at_s`` into the cell for ``cut_s``; return the window (run-relative seconds)."""
+    async def cut_during(self, epoch: float, until: asyncio.Event) -> list[tuple[float, float]]:
+        """Cut the WAN ``cut_at_s`` into the cell for ``cut_s``, and again every ``cut_every_s`` until ``until``
+        is set; return the windows (run-relative seconds). The link is always restored, also when cancelled."""
         assert self.lab is not None
-        await asyncio.sleep(self.network.cut_at_s)
-        start = time.perf_counter() - epoch
-        await asyncio.to_thread(self.lab.set, cut=True)
-        try:
-            await asyncio.sleep(self.network.cut_s)
-        finally:
-            await asyncio.to_thread(self.lab.set, cut=False)
-        return start, time.perf_counter() - epoch
+        n, windows = self.network, list[tuple[float, float]]()
+        began = time.perf_counter()
+        wait = n.cut_at_s
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(until.wait(), max(0.0, began + wait - time.perf_counter()))
+            if until.is_set() and windows:
+                return windows
+            start = time.perf_counter() - epoch
+            await asyncio.to_thread(self.lab.set, cut=True)
+            try:
+                await asyncio.sleep(n.cut_s)
+            finally:
+                await asyncio.to_thread(self.lab.set, cut=False)
+            windows.append((start, time.perf_counter() - epoch))
+            if n.cut_every_s is None:
+                return windows
+            wait += n.cut_every_s
 
     def close(self) -> None:
         if self.lab is not None and self.saved is not None:

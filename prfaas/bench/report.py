@@ -98,8 +98,8 @@ def plot(path: Path, results: dict[str, Any]) -> None:
     done = sorted(r["start"] + r["e2e_s"] for c in results["cells"] for r in c.get("records", []) if r.get("e2e_s"))
     over.plot(done, [i + 1 for i in range(len(done))], label="requests done (cumulative)")
     for cell in results["cells"]:
-        if cell.get("fault_window"):
-            over.axvspan(*cell["fault_window"], color="red", alpha=0.2)
+        for window in cell.get("fault_windows") or ([cell["fault_window"]] if cell.get("fault_window") else []):
+            over.axvspan(*window, color="red", alpha=0.2)
         if cell.get("span"):
             over.axvline(cell["span"][0], color="grey", lw=0.5)
     over.set(xlabel="run time (s)", title="Throughput and resources over time (red: link cut)")

@@ -100,14 +100,19 @@ class Run:
         before = await prfaas_target.kv_snapshot(url)
         counters = await prfaas_target.router_counters(url)
         start = time.perf_counter() - self.epoch
-        cut = asyncio.create_task(net.cut_during(self.epoch)) if net and cell.network == "cut" else None
-        records = await run_cell(url, self.model, cell, m, self.epoch, self.o.seed, self._ticker(label or cell.key))
-        window = await cut if cut else None
+        ended = asyncio.Event()
+        cut = asyncio.create_task(net.cut_during(self.epoch, ended)) if net and cell.network == "cut" else None
+        try:
+            records = await run_cell(url, self.model, cell, m, self.epoch, self.o.seed,
+                                     self._ticker(label or cell.key))
+        finally:
+            ended.set()
+        windows = await cut if cut else []
         wall = time.perf_counter() - self.epoch - start
         after = await prfaas_target.settle(url, acceptance.release_within_s)
         ttft_goal = (baseline["ttft_ms"]["p99"] or 0) * (1 + acceptance.ttft_overhead) / 1e3 if baseline \
             else acceptance.ttft_p99_ms / 1e3
-        metrics = summarize(records, wall, window, ttft_goal)
+        metrics = summarize(records, wall, windows, ttft_goal)
         kv_ids = metrics["transfer"].pop("kv_ids") + (metrics["transfer_in_fault"] or {}).pop("kv_ids", [])
         metrics["kv"] = prfaas_target.kv_release(before, after, kv_ids, acceptance.release_within_s)
         metrics["router"] = prfaas_target.delta(counters, await prfaas_target.router_counters(url))
@@ -118,7 +123,8 @@ class Run:
                   f"{metrics['ttft_ms']['p50']} ms, {'PASS' if verdict['pass'] else 'FAIL ' + str(verdict['failed'])}")
         return {"key": cell.key, "load_key": cell.load_key, "network": cell.network,
                 "link": link.to_json() if link else None, "span": [round(start, 2), round(start + wall, 2)],
-                "fault_window": [round(w, 2) for w in window] if window else None, "metrics": metrics,
+                "fault_window": [round(w, 2) for w in windows[0]] if windows else None,
+                "fault_windows": [[round(w, 2) for w in window] for window in windows], "metrics": metrics,
                 "verdict": verdict, "records": [_compact(r) for r in records]}
 
     def _resources(self, start: float, end: float) -> dict[str, float | None]:

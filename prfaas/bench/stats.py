@@ -4,6 +4,7 @@ transfer view (transfer success, retries, degradations, fallbacks) for requests 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from prfaas.bench.client import RequestRecord
@@ -30,15 +31,13 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else round(value * 1e3, 2)
 
 
-def in_window(record: RequestRecord, window: tuple[float, float] | None) -> bool:
-    """Did the request run while the fault was on (or start within a short recovery after it)?"""
-    if window is None:
-        return False
+def in_window(record: RequestRecord, windows: Sequence[tuple[float, float]]) -> bool:
+    """Did the request run while a fault was on?"""
     end = record.start + (record.e2e_s or 0.0)
-    return record.start <= window[1] and end >= window[0]
+    return any(record.start <= w[1] and end >= w[0] for w in windows)
 
 
-def summarize(records: list[RequestRecord], wall_s: float, window: tuple[float, float] | None = None,
+def summarize(records: list[RequestRecord], wall_s: float, windows: Sequence[tuple[float, float]] = (),
               ttft_goal_s: float | None = None, tpot_goal_s: float | None = None) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     tokens = sum(r.output_tokens for r in ok)
@@ -59,8 +58,8 @@ def summarize(records: list[RequestRecord], wall_s: float, window: tuple[float, 
         "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else None,
         "output_tokens_per_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
         "goodput_rps": round(len(good) / wall_s, 3) if wall_s > 0 else None,
-        "transfer": transfer_view([r for r in records if not in_window(r, window)]),
-        "transfer_in_fault": transfer_view([r for r in records if in_window(r, window)]) if window else None,
+        "transfer": transfer_view([r for r in records if not in_window(r, windows)]),
+        "transfer_in_fault": transfer_view([r for r in records if in_window(r, windows)]) if windows else None,
     }
 
 

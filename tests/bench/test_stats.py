@@ -36,7 +36,7 @@ def test_summary_counts_latency_throughput_and_transfers() -> None:
 
 def test_requests_in_a_fault_window_are_reported_apart() -> None:
     records = [_record(0, 0.1), _record(5, 0.1, route="local", fallback=True)]
-    m = summarize(records, wall_s=6.0, window=(4.0, 6.0))
+    m = summarize(records, wall_s=6.0, windows=[(4.0, 6.0)])
     assert m["transfer"]["success_rate"] == 1.0
     assert m["transfer_in_fault"]["fallbacks"] == 1
 
