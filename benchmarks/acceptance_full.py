@@ -2,8 +2,10 @@
 the lab (1 Gbit WAN), then per model ``prfaas up --lab`` plus a monolithic baseline deployment on 127.0.0.1, and
 ``prfaas bench run`` with every network condition. Needs root. Writes, under ``--out``:
 
-- ``<model>/``: the bench's ``results.json``, ``report.md``, ``report.html``, ``report.png``, and the matrix and
-  deployment config it ran with;
+- ``<model>/`` (or the entry's ``label``): the bench's ``results.json``, ``report.md``, ``report.html``,
+  ``report.png``, and the matrix and deployment config it ran with;
+- ``soak-<model>/``: the same for the soak (``soak:`` in the config), one long cell per network condition, run
+  last against that model's deployment;
 - ``summary.json``: per model the verdict, wall time and load average (1-minute, sampled every 10 s);
 - ``report.md``: every model's table, the failures with their measured values, and the load average.
 
@@ -66,8 +68,21 @@ class LoadSampler:
 def matrix_for(spec: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
     return {"input_lens": spec["input_lens"], "output_lens": spec["output_lens"],
             "concurrency": spec["concurrency"], "networks": ["normal", "delay", "loss", "cut"],
-            "duration_s": run["cell_s"], "request_timeout_s": spec["request_timeout_s"],
-            "network": run["network"], "acceptance": run["acceptance"]}
+            "duration_s": spec.get("cell_s", run["cell_s"]), "request_timeout_s": spec["request_timeout_s"],
+            "network": {**run["network"], **spec.get("network", {})}, "acceptance": run["acceptance"]}
+
+
+def soak_spec(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The soak as one more model entry: the soak model's entry with one cell per condition of ``duration_s``
+    (the cut repeating every ``cut_every_s``), judged against that entry's monolithic baseline of the same cell
+    (its ``results.json``: the soak cell must be one of the entry's cells)."""
+    soak = run.get("soak")
+    if not soak:
+        return None
+    base = next(m for m in run["models"] if m.get("label", m["model"]) == soak["entry"])
+    return {**base, "label": f"soak-{soak['entry']}", "input_lens": [soak["input_len"]],
+            "output_lens": [soak["output_len"]], "concurrency": [soak["concurrency"]], "cell_s": soak["duration_s"],
+            "network": {"cut_every_s": soak["cut_every_s"]}, "baseline_of": soak["entry"]}
 
 
 def run_model(spec: dict[str, Any], run: dict[str, Any], out: Path, port: int) -> dict[str, Any]:
@@ -76,21 +91,24 @@ def run_model(spec: dict[str, Any], run: dict[str, Any], out: Path, port: int) -
     (out / "deploy-config.yaml").write_text(yaml.safe_dump(spec["config"], sort_keys=False))
     common = {"model": spec["model"], "dtype": spec["dtype"], "config": str(out / "deploy-config.yaml"),
               "log_file": str(out.parent / f"{out.name}.log")}
-    baseline = Deployment(UpOptions(port=port + 1, offload_threshold=1_000_000, **common))
+    earlier = out.parent / spec["baseline_of"] / "results.json" if spec.get("baseline_of") else None
+    baseline = None if earlier else Deployment(UpOptions(port=port + 1, offload_threshold=1_000_000, **common))
     remote = Deployment(UpOptions(port=port, offload_threshold=spec["offload_threshold"], lab=True, **common))
+    deployments = [d for d in (baseline, remote) if d is not None]
     try:
-        for deployment in (baseline, remote):
+        for deployment in deployments:
             deployment.start()
-        for deployment in (baseline, remote):
+        for deployment in deployments:
             deployment.wait_ready()
+        reference = str(earlier) if earlier else baseline.url if baseline else ""
         cmd = [sys.executable, "-m", "prfaas", "bench", "run", "--matrix", str(out / "matrix.yaml"),
-               "--target", remote.url, "--baseline", baseline.url, "--out", str(out), "--quiet"]
-        done = subprocess.run(cmd, timeout=3600, capture_output=True, text=True)
+               "--target", remote.url, "--baseline", reference, "--out", str(out), "--quiet"]
+        done = subprocess.run(cmd, timeout=4 * 3600, capture_output=True, text=True)
         (out / "bench.log").write_text(done.stdout + done.stderr)
         return {"exit": done.returncode}
     finally:
-        remote.stop()
-        baseline.stop()
+        for deployment in reversed(deployments):
+            deployment.stop()
 
 
 def main() -> int:
@@ -108,15 +126,18 @@ def main() -> int:
     began = time.monotonic()
     try:
         with Lab(LinkSettings(rate=run["link_rate"])):
-            for i, spec in enumerate(run["models"]):
-                if args.only and spec["model"] not in args.only:
+            soak = soak_spec(run)
+            for i, spec in enumerate([*run["models"], *([soak] if soak else [])]):
+                name = spec.get("label", spec["model"])
+                if args.only and name not in args.only:
                     continue
                 start = time.monotonic() - began
-                print(f"== {spec['model']}", file=sys.stderr, flush=True)
-                result = run_model(spec, run, out / spec["model"], 8320 + 10 * i)
+                print(f"== {name}", file=sys.stderr, flush=True)
+                result = run_model(spec, run, out / name, 8320 + 10 * i)
                 end = time.monotonic() - began
-                summary["models"].append({"model": spec["model"], "wall_s": round(end - start, 1),
-                                          "loadavg_1m": loads.between(start, end), **result})
+                summary["models"].append({"model": name, "served_model": spec["model"],
+                                          "wall_s": round(end - start, 1), "loadavg_1m": loads.between(start, end),
+                                          **result})
                 print(f"   exit {result['exit']}, {end - start:.0f} s", file=sys.stderr, flush=True)
     finally:
         loads.stop()

@@ -24,9 +24,11 @@ CONDITIONS = ("normal", "delay", "loss", "cut")
 class Network:
     """Lab settings per condition: every cell runs on ``rate``; ``delay`` adds delay/jitter, ``loss`` adds loss,
     ``cut`` drops the WAN from ``cut_at_s`` for ``cut_s`` seconds of the cell, and again every ``cut_every_s``
-    seconds after that when it is set (a long soak)."""
+    seconds after that when it is set (a long soak). ``delay_rate``, when set, is the rate of the delay cells only:
+    the lab's user-space delayer cannot carry much more than 1 Gbit (CONTRACTS: keep delayed cells at most that)."""
 
     rate: str | None = "1gbit"
+    delay_rate: str | None = None
     delay_ms: float = 10.0
     jitter_ms: float = 2.0
     loss: float = 0.01

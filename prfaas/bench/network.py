@@ -38,7 +38,7 @@ class NetworkControl:
         n = self.network
         base = LinkSettings(rate=n.rate, mtu=self.saved.mtu if self.saved else 1500)
         if condition == "delay":
-            return dataclasses.replace(base, delay_ms=n.delay_ms, jitter_ms=n.jitter_ms)
+            return dataclasses.replace(base, rate=n.delay_rate or n.rate, delay_ms=n.delay_ms, jitter_ms=n.jitter_ms)
         if condition == "loss":
             return dataclasses.replace(base, loss=n.loss)
         return base

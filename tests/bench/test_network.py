@@ -44,3 +44,10 @@ def test_a_soak_cuts_the_link_again_every_interval_and_restores_it() -> None:
         assert not lab.current().cut
         control.close()
     assert Lab(topo=topo).status()["up"] is False
+
+
+def test_delay_cells_may_run_at_their_own_rate() -> None:
+    control = NetworkControl(Network(rate="10gbit", delay_rate="1gbit"))
+    assert control.settings("delay").rate == "1gbit" and control.settings("delay").delay_ms == 10.0
+    assert {control.settings(c).rate for c in ("normal", "loss", "cut")} == {"10gbit"}
+    assert NetworkControl(Network(rate="2gbit")).settings("delay").rate == "2gbit"
