@@ -86,6 +86,14 @@ def model_section(name: str, r: dict[str, Any], meta: dict[str, Any]) -> list[st
     return [*out, ""]
 
 
+def soak_text(soak: dict[str, Any] | None) -> str:
+    if not soak:
+        return ""
+    return (f"; then a soak of {soak['duration_s'] / 60:g} min per condition ({soak['entry']}, "
+            f"in{soak['input_len']}-out{soak['output_len']}-c{soak['concurrency']}, the cut repeating every "
+            f"{soak['cut_every_s']} s)")
+
+
 def write_summary(directory: Path) -> str:
     summary = json.loads((directory / "summary.json").read_text())
     results = {m["model"]: json.loads((directory / m["model"] / "results.json").read_text())
@@ -98,8 +106,10 @@ def write_summary(directory: Path) -> str:
              f"work; wall {summary['wall_s'] / 60:.1f} min; load average (1 min, every 10 s) {_r(load['min'])}–"
              f"{_r(load['max'])}, mean {_r(load['mean'])}. Lab WAN {cfg['link_rate']} (tbf) each way; "
              "conditions: normal; "
-             f"delay {net['delay_ms']} ms ± {net['jitter_ms']} ms one-way; loss {100 * net['loss']:g} % each way; "
-             f"cut of {net['cut_s']} s starting {net['cut_at_s']} s into the cell. Cells of {cfg['cell_s']} s. "
+             f"delay {net['delay_ms']} ms ± {net['jitter_ms']} ms one-way"
+             f"{' at ' + net['delay_rate'] if net.get('delay_rate') else ''}; loss {100 * net['loss']:g} % each way; "
+             f"cut of {net['cut_s']} s starting {net['cut_at_s']} s into the cell. Cells of {cfg['cell_s']} s"
+             f"{soak_text(cfg.get('soak'))}. "
              f"Criteria per cell: TTFT P50 and P99 ≤ monolithic baseline × {1 + cfg['acceptance']['ttft_overhead']}, "
              f"success ≥ {100 * cfg['acceptance']['success_rate']:g} %, transfer success ≥ "
              f"{100 * cfg['acceptance']['transfer_success']:g} %, retries ≤ {100 * cfg['acceptance']['retry_rate']:g}"
