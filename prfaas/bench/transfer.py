@@ -6,7 +6,8 @@ with ``--streams`` connections into a fresh ``BlobReader`` (every chunk verified
 Goodput counts payload bytes only: Gbit/s = payload bytes × 8 / seconds / 1e9. ``--json`` prints one object last:
 ``bytes, seconds, gbps`` (the best pull), ``median_gbps``, ``push_seconds``, ``push_gbps``, ``streams``,
 ``chunk_kb``, ``tls``, ``repeat``, ``target``, and ``cpu_s_per_gb``: this (receiving) process's CPU seconds per GB
-pulled, all its threads, the median over the pulls.
+pulled, all its threads, the median over the pulls; with the local relay also ``server_cpu_s_per_gb``, the relay
+process's (sending) CPU seconds per GB pulled (Linux ``/proc``), the median over the pulls.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import ssl
 import statistics
 import subprocess
@@ -90,28 +92,43 @@ def relay_main(budget: int, cert: str | None, key: str | None, ports: Any, stop:
     asyncio.run(main())
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (``/proc``); None where unreadable."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, streams: int, repeat: int,
-                  tls: ssl.SSLContext | None) -> dict[str, Any]:
+                  tls: ssl.SSLContext | None, peer_pid: int | None = None) -> dict[str, Any]:
     from prfaas.kv import BlobReader
     from prfaas.transfer import pull, push, release
 
     started = time.perf_counter()
     await push(address, kv_id, frames, ssl=tls, timeout_s=30.0)
     push_s = time.perf_counter() - started
-    times, cpu = [], []
+    times, cpu, peer_cpu = [], [], []
     try:
         for _ in range(repeat):
-            started, cpu_started = time.perf_counter(), time.process_time()
+            started, cpu_started, peer_started = time.perf_counter(), time.process_time(), process_cpu_s(peer_pid)
             await pull(address, kv_id, BlobReader(max_bytes=payload + (64 << 20)), timeout_s=30.0, streams=streams,
                        ssl=tls, retries=0)
             times.append(time.perf_counter() - started)
             cpu.append((time.process_time() - cpu_started) / payload * 1e9)
+            peer_now = process_cpu_s(peer_pid)
+            if peer_started is not None and peer_now is not None:
+                peer_cpu.append((peer_now - peer_started) / payload * 1e9)
     finally:
         await release(address, kv_id, ssl=tls)
     best = min(times)
     return {"bytes": payload, "seconds": best, "gbps": payload * 8 / best / 1e9,
             "median_gbps": payload * 8 / statistics.median(times) / 1e9, "push_seconds": push_s,
-            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times, "cpu_s_per_gb": statistics.median(cpu)}
+            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times, "cpu_s_per_gb": statistics.median(cpu),
+            **({"server_cpu_s_per_gb": statistics.median(peer_cpu)} if peer_cpu else {})}
 
 
 def run_bench(size: int, streams: int, chunk_kb: int, use_tls: bool, target: str | None, repeat: int,
@@ -132,7 +149,7 @@ def run_bench(size: int, streams: int, chunk_kb: int, use_tls: bool, target: str
         try:
             address = f"127.0.0.1:{ports.get(timeout=60)}"
             tls = client_context(cert) if cert else None
-            return {**asyncio.run(measure(address, kv_id, frames, payload, streams, repeat, tls)), **meta}
+            return {**asyncio.run(measure(address, kv_id, frames, payload, streams, repeat, tls, relay.pid)), **meta}
         finally:
             stop.put(True)
             relay.join(10)

@@ -209,7 +209,7 @@ class TransferServer:
             conn.write_eof()
             scratch = memoryview(bytearray(1 << 16))
             async with asyncio.timeout(LINGER_S):
-                while await asyncio.get_running_loop().sock_recv_into(conn.sock, scratch):
+                while await conn.drain(scratch):
                     pass
 
 

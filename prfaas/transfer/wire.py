@@ -1,10 +1,17 @@
 """One data-plane connection over a raw non-blocking socket: zero-copy ``recv_into``/``sendall`` on the event loop,
-plaintext or TLS 1.3 (an ``ssl.SSLObject`` over memory BIOs, so both paths share one interface).
+plaintext or TLS 1.3.
 
 Why not ``asyncio.StreamReader``: it copies every byte twice (its buffer, then ``readexactly``'s ``bytes``) and
 Python 3.11's transports copy whatever a ``write`` could not send at once. Here plaintext bytes go from the kernel
-straight into the caller's preallocated buffer and out of the caller's memoryview; TLS decrypts straight into the
-caller's buffer.
+straight into the caller's preallocated buffer and out of the caller's memoryview.
+
+TLS is an ``ssl.SSLSocket`` on the same non-blocking socket (OpenSSL reads and writes the socket itself), waiting
+for readiness with ``loop.add_reader``/``add_writer``: OpenSSL encrypts out of the caller's memoryview and
+decrypts into the caller's buffer, and no ciphertext passes through Python buffers or memory BIOs. Measured
+against ``ssl.SSLObject`` over memory BIOs (which copied each byte into and out of the BIOs on both ends; 1 GiB
+over loopback, 2 shared cores, OpenSSL 3.0): sender CPU per GB about 20 % lower, receiver about 10 % higher (it
+makes more, smaller system calls), both ends together about 5 % lower. The receiver needs OpenSSL's read-ahead
+(``read_ahead``), or it reads every 16 KiB record with two system calls.
 
 Ownership: a ``Conn`` owns its socket and closes it in ``close`` (idempotent); nothing else is left behind.
 Failures surface as ``OSError``/``ConnectionError``/``ssl.SSLError``/``TimeoutError``; ``conn.mapped`` turns them
@@ -15,26 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import socket
 import ssl as ssl_module
+import sys
 from collections.abc import Callable
-from typing import cast
 
-TLS_SLICE = 256 << 10  # plaintext handed to OpenSSL per write: a few 16 KiB records, one sendall
-TLS_READ = 1 << 20  # ciphertext read per recv
+TLS_SLICE = 1 << 20  # plaintext handed to OpenSSL per write (it cuts it into 16 KiB records)
+TLS_READ_BUFFER = 64 << 10  # ciphertext OpenSSL reads per recv (read-ahead): the best measured of 16–256 KiB
+_WANT = (ssl_module.SSLWantReadError, ssl_module.SSLWantWriteError)
 
 
 class Conn:
     """A connected TCP socket, optionally wrapped in TLS. Use ``open``/``accept`` to make one."""
 
-    def __init__(self, sock: socket.socket, tls: ssl_module.SSLObject | None = None) -> None:
+    def __init__(self, sock: socket.socket, tls: ssl_module.SSLSocket | None = None) -> None:
         sock.setblocking(False)
-        self.sock = sock
+        self.sock: socket.socket = sock  # after ``start_tls``, the ``SSLSocket`` (the same descriptor)
         self.tls = tls
-        self._in = ssl_module.MemoryBIO()
-        self._out = ssl_module.MemoryBIO()
-        self._scratch = bytearray(TLS_READ) if tls is not None else bytearray()
+        self._read: Callable[[int, memoryview], int] | None = None  # ``SSL_read`` into a buffer (TLS)
         self._loop = asyncio.get_running_loop()
+        self._waiters: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])  # read, write
         self._send_lock = asyncio.Lock()  # one sendall at a time: TLS records must leave in the order made
         self.closed = False
 
@@ -60,40 +69,38 @@ class Conn:
 
     async def start_tls(self, ctx: ssl_module.SSLContext, server_side: bool, server_hostname: str | None = None
                         ) -> None:
-        """Run the TLS handshake; afterwards every byte is encrypted."""
-        self._scratch = bytearray(TLS_READ)
-        self.tls = ctx.wrap_bio(self._in, self._out, server_side=server_side,
-                                server_hostname=None if server_side else server_hostname)
+        """Run the TLS handshake; afterwards every byte is encrypted. A failed handshake has sent its alert
+        (expired, revoked, unknown CA …), which tells the peer why, when the error is raised."""
+        tls = ctx.wrap_socket(self.sock, server_side=server_side, do_handshake_on_connect=False,
+                              server_hostname=None if server_side else server_hostname)
+        self.sock = self.tls = tls  # the plain socket object gave its descriptor to the SSLSocket
+        self._read = tls._sslobj.read  # type: ignore[attr-defined]  # one record per call: skip two wrappers
+        read_ahead(tls, TLS_READ_BUFFER)
         while True:
             try:
-                self.tls.do_handshake()
-                break
-            except ssl_module.SSLWantReadError:
-                await self._flush()
-                await self._fill()
+                tls.do_handshake()
+                return
+            except _WANT as exc:
+                await self._ready(isinstance(exc, ssl_module.SSLWantWriteError))
             except ssl_module.SSLError:
-                with contextlib.suppress(OSError):
-                    await self._flush()  # our alert (expired, revoked, unknown CA …) tells the peer why
+                self._discard_readable()  # records of the peer's flight we did not read: a close would reset
                 raise
-        await self._flush()
 
     async def recv_into(self, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes into ``view``; 0 at a clean end of stream."""
-        if self.tls is None:
+        if self._read is None:
             return await self._loop.sock_recv_into(self.sock, view)
-        got = 0
-        while got < len(view):
+        read, want, got = self._read, len(view), 0
+        while got < want:
             try:
-                n = cast(int, self.tls.read(len(view) - got, view[got:]))  # typeshed: bytes; a count with a buffer
-            except ssl_module.SSLWantReadError:
+                n = read(want - got, view[got:] if got else view)  # one record at most; 0: close_notify
+            except _WANT as exc:
                 if got:
                     return got
-                await self._flush()  # post-handshake messages (key updates) may want an answer
-                if not await self._fill():
-                    return 0
+                await self._ready(isinstance(exc, ssl_module.SSLWantWriteError))
                 continue
-            except ssl_module.SSLZeroReturnError:
-                return got
+            except (ssl_module.SSLZeroReturnError, ssl_module.SSLEOFError):
+                return got  # close_notify, or the TCP stream ended (a caller that wanted more says so)
             if n == 0:
                 return got
             got += n
@@ -122,32 +129,125 @@ class Conn:
                     continue
                 view = memoryview(data)
                 for off in range(0, len(view), TLS_SLICE):
-                    self.tls.write(view[off:off + TLS_SLICE])
-                    await self._send_out()
+                    await self._tls_write(view[off:off + TLS_SLICE])
+
+    async def _tls_write(self, piece: memoryview) -> None:
+        assert self.tls is not None
+        while piece:
+            try:
+                sent = self.tls.send(piece)
+            except _WANT as exc:  # retried with the same piece: OpenSSL resumes the records it had begun
+                await self._ready(isinstance(exc, ssl_module.SSLWantWriteError))
+                continue
+            piece = piece[sent:]
 
     def write_eof(self) -> None:
-        """Half-close: the peer reads end-of-stream after what was sent."""
+        """Half-close: the peer reads end-of-stream after what was sent (TLS state kept: no close_notify)."""
         with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
+            socket.socket.shutdown(self.sock, socket.SHUT_WR)  # ``SSLSocket.shutdown`` would drop the TLS state
+
+    async def drain(self, scratch: memoryview) -> int:
+        """Read and drop raw bytes (TLS records too, undecrypted); 0 at end of stream."""
+        while True:
+            try:
+                return socket.socket.recv_into(self.sock, scratch)
+            except (BlockingIOError, InterruptedError):
+                await self._ready(False)
+
+    def _discard_readable(self, limit: int = 1 << 20) -> None:
+        """Read and drop what has already arrived (without waiting), so that closing sends a FIN, not a reset."""
+        scratch, dropped = bytearray(1 << 16), 0
+        with contextlib.suppress(OSError):
+            while dropped < limit and (n := socket.socket.recv_into(self.sock, scratch)):
+                dropped += n
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            for write, waiters in enumerate(self._waiters):
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_exception(ConnectionAbortedError("data-plane connection closed"))
+                waiters.clear()
+                self._unwatch(write)
             self.sock.close()
 
-    async def _flush(self) -> None:
-        if self._out.pending:
-            async with self._send_lock:
-                await self._send_out()
+    async def _ready(self, write: bool) -> None:
+        """Wait until the socket is readable (``write`` False) or writable. Concurrent waiters share one
+        registration, so a reader and a writer (or two readers) never replace each other's callback."""
+        waiters = self._waiters[write]
+        fut = self._loop.create_future()
+        if not waiters:
+            if write:
+                self._loop.add_writer(self.sock.fileno(), self._wake, 1)
+            else:
+                self._loop.add_reader(self.sock.fileno(), self._wake, 0)
+        waiters.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    self._unwatch(write)
 
-    async def _send_out(self) -> None:
-        if self._out.pending:
-            await self._loop.sock_sendall(self.sock, self._out.read())
+    def _wake(self, write: int) -> None:
+        waiters = self._waiters[write]
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+        waiters.clear()
+        self._unwatch(write)
 
-    async def _fill(self) -> bool:
-        n = await self._loop.sock_recv_into(self.sock, self._scratch)
-        if n == 0:
-            self._in.write_eof()
-            return False
-        self._in.write(memoryview(self._scratch)[:n])
-        return True
+    def _unwatch(self, write: int) -> None:
+        fd = self.sock.fileno()
+        if fd < 0:
+            return
+        if write:
+            self._loop.remove_writer(fd)
+        else:
+            self._loop.remove_reader(fd)
+
+
+def read_ahead(tls: ssl_module.SSLSocket, buffer_bytes: int) -> bool:
+    """Let OpenSSL read up to ``buffer_bytes`` of ciphertext per ``recv`` (``SSL_set_read_ahead`` and
+    ``SSL_set_default_read_buffer_len``; call before the handshake). Without it OpenSSL reads each 16 KiB record
+    with two system calls (its 5-byte header, then its body): receiver CPU per GB about 8 % higher. Larger
+    buffers do not pay either: OpenSSL 3.0 moves what is left in the buffer to its front before every record.
+
+    Python's ``ssl`` module does not expose these two settings, so the connection's ``SSL *`` is read from the
+    ``_ssl`` object (CPython's layout: ``PyObject_HEAD; PyObject *Socket; SSL *ssl; PySSLContext *ctx``), and used
+    only after the ``ctx`` slot next to it was checked to hold the object's own context and OpenSSL confirmed the
+    socket. Returns False, changing nothing, wherever a check fails: records are then read one at a time."""
+    if sys.implementation.name != "cpython":
+        return False
+    lib = _libssl()
+    obj = getattr(tls, "_sslobj", None)
+    if lib is None or obj is None:
+        return False
+    base, word = id(obj), ctypes.sizeof(ctypes.c_void_p)
+    head = 2 * word if ctypes.sizeof(ctypes.c_ssize_t) == word else 0  # ob_refcnt, ob_type
+    if not head or ctypes.c_void_p.from_address(base + head + 2 * word).value != id(obj.context):
+        return False
+    ssl_ptr = ctypes.c_void_p.from_address(base + head + word).value
+    if not ssl_ptr or lib.SSL_get_fd(ssl_ptr) != tls.fileno():
+        return False
+    lib.SSL_set_read_ahead(ssl_ptr, 1)
+    lib.SSL_set_default_read_buffer_len(ssl_ptr, buffer_bytes)
+    return True
+
+
+@functools.cache
+def _libssl() -> ctypes.CDLL | None:
+    """The OpenSSL that Python's ``_ssl`` module is linked with (its symbols resolve through ``_ssl``)."""
+    try:
+        import _ssl
+
+        lib = ctypes.CDLL(_ssl.__file__)
+        lib.SSL_get_fd.argtypes, lib.SSL_get_fd.restype = [ctypes.c_void_p], ctypes.c_int
+        lib.SSL_set_read_ahead.argtypes, lib.SSL_set_read_ahead.restype = [ctypes.c_void_p, ctypes.c_int], None
+        lib.SSL_set_default_read_buffer_len.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        lib.SSL_set_default_read_buffer_len.restype = None
+    except (OSError, AttributeError, ImportError):
+        return None
+    return lib
