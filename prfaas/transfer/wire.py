@@ -31,6 +31,8 @@ from collections.abc import Callable
 
 TLS_SLICE = 1 << 20  # plaintext handed to OpenSSL per write (it cuts it into 16 KiB records)
 TLS_READ_BUFFER = 64 << 10  # ciphertext OpenSSL reads per recv (read-ahead): the best measured of 16–256 KiB
+TLS_RECORD_BYTES = 16384 + 256 + 5  # the most of one record OpenSSL can hold undecrypted (TLS 1.3: +22 bytes)
+LOWAT_MIN, LOWAT_MAX = 128 << 10, 512 << 10  # wake-up thresholds for large reads (``Conn._expect``)
 _WANT = (ssl_module.SSLWantReadError, ssl_module.SSLWantWriteError)
 
 
@@ -42,6 +44,7 @@ class Conn:
         self.sock: socket.socket = sock  # after ``start_tls``, the ``SSLSocket`` (the same descriptor)
         self.tls = tls
         self._read: Callable[[int, memoryview], int] | None = None  # ``SSL_read`` into a buffer (TLS)
+        self._lowat = 1  # the socket's SO_RCVLOWAT (``_expect``)
         self._loop = asyncio.get_running_loop()
         self._waiters: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])  # read, write
         self._send_lock = asyncio.Lock()  # one sendall at a time: TLS records must leave in the order made
@@ -89,7 +92,23 @@ class Conn:
     async def recv_into(self, view: memoryview) -> int:
         """Read up to ``len(view)`` bytes into ``view``; 0 at a clean end of stream."""
         if self._read is None:
-            return await self._loop.sock_recv_into(self.sock, view)
+            return await self._recv_plain(view, 1)
+        return await self._recv_tls(view, 1)
+
+    async def _recv_plain(self, view: memoryview, need: int) -> int:
+        """One ``recv_into``; when nothing has arrived, wait until ``need`` bytes have (see ``_expect``)."""
+        while True:
+            try:
+                return self.sock.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                pass
+            self._expect(need)
+            await self._ready(False)
+
+    async def _recv_tls(self, view: memoryview, need: int) -> int:
+        """Decrypt records into ``view`` until it is full or nothing more has arrived; when nothing has, wait
+        until the ciphertext of ``need`` bytes can have (OpenSSL may hold part of one record already)."""
+        assert self._read is not None
         read, want, got = self._read, len(view), 0
         while got < want:
             try:
@@ -97,7 +116,11 @@ class Conn:
             except _WANT as exc:
                 if got:
                     return got
-                await self._ready(isinstance(exc, ssl_module.SSLWantWriteError))
+                if isinstance(exc, ssl_module.SSLWantWriteError):
+                    await self._ready(True)
+                else:
+                    self._expect(need - TLS_RECORD_BYTES)
+                    await self._ready(False)
                 continue
             except (ssl_module.SSLZeroReturnError, ssl_module.SSLEOFError):
                 return got  # close_notify, or the TCP stream ended (a caller that wanted more says so)
@@ -108,9 +131,12 @@ class Conn:
 
     async def recv_exactly(self, view: memoryview) -> None:
         """Fill ``view`` completely; ``asyncio.IncompleteReadError`` if the peer closes first."""
-        got = 0
-        while got < len(view):
-            n = await self.recv_into(view[got:])
+        got, want = 0, len(view)
+        while got < want:
+            if self._read is None:
+                n = await self._recv_plain(view[got:] if got else view, want - got)
+            else:
+                n = await self._recv_tls(view[got:] if got else view, want - got)
             if n == 0:
                 raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
             got += n
@@ -137,9 +163,22 @@ class Conn:
             try:
                 sent = self.tls.send(piece)
             except _WANT as exc:  # retried with the same piece: OpenSSL resumes the records it had begun
+                self._expect(1)
                 await self._ready(isinstance(exc, ssl_module.SSLWantWriteError))
                 continue
             piece = piece[sent:]
+
+    def _expect(self, need: int) -> None:
+        """Before a reader waits: wake it only once ``need`` bytes (rounded down to a power of two, at
+        most ``LOWAT_MAX``; 1 below ``LOWAT_MIN``) are queued (``SO_RCVLOWAT``), so a large frame arrives in a few
+        wake-ups of the event loop instead of one per few segments. Never more than the waiter still needs (set
+        before every wait): the kernel also wakes it at end of stream, on errors, and when its buffer or window runs
+        short."""
+        target = 1 << (min(need, LOWAT_MAX).bit_length() - 1) if need >= LOWAT_MIN else 1
+        if target != self._lowat:
+            self._lowat = target
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, target)
 
     def write_eof(self) -> None:
         """Half-close: the peer reads end-of-stream after what was sent (TLS state kept: no close_notify)."""
@@ -152,6 +191,7 @@ class Conn:
             try:
                 return socket.socket.recv_into(self.sock, scratch)
             except (BlockingIOError, InterruptedError):
+                self._expect(1)
                 await self._ready(False)
 
     def _discard_readable(self, limit: int = 1 << 20) -> None:
