@@ -148,7 +148,8 @@ class Run:
 
 def _compact(r: RequestRecord) -> dict[str, Any]:
     return {"start": round(r.start, 3), "ttft_s": r.ttft_s, "e2e_s": r.e2e_s, "output_tokens": r.output_tokens,
-            "error": r.error, "route": r.prfaas.get("route"), "fallback": r.prfaas.get("fallback"),
+            "error": r.error, "route": r.prfaas.get("route"), "reason": r.prfaas.get("reason_code"),
+            "fallback": r.prfaas.get("fallback"),
             "transfer_ms": r.prfaas.get("transfer_ms")}
 
 

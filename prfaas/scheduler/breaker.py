@@ -13,13 +13,15 @@ CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 class _State:
     failures: int = 0
     opened_at: float | None = None
-    probing: bool = False
+    probe_at: float | None = None  # when the half-open probe was let through
 
 
 class CircuitBreaker:
     """``allow(id)`` says whether to send work to an instance. After ``threshold`` consecutive failures the
     breaker opens for ``cooldown_s``; then one probe request is let through (half-open): its success closes the
-    breaker, its failure opens it again."""
+    breaker, its failure opens it again. A probe whose outcome never comes (the caller let it through, then sent
+    the request elsewhere, e.g. local because the link was degraded) expires after ``cooldown_s`` and the next
+    caller probes: a half-open breaker never waits forever."""
 
     def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.threshold = threshold
@@ -38,8 +40,9 @@ class CircuitBreaker:
         if state == CLOSED:
             return True
         s = self._states[instance_id]
-        if state == HALF_OPEN and not s.probing:
-            s.probing = True
+        now = self.clock()
+        if state == HALF_OPEN and (s.probe_at is None or now - s.probe_at >= self.cooldown_s):
+            s.probe_at = now
             return True
         return False
 
@@ -49,6 +52,6 @@ class CircuitBreaker:
     def failure(self, instance_id: str) -> None:
         s = self._states.setdefault(instance_id, _State())
         s.failures += 1
-        s.probing = False
+        s.probe_at = None
         if s.failures >= self.threshold:
             s.opened_at = self.clock()

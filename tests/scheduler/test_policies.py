@@ -45,6 +45,20 @@ def test_breaker_opens_then_probes_then_closes() -> None:
     assert breaker.state("a") == CLOSED and breaker.allow("a")
 
 
+def test_a_probe_that_never_reports_expires_so_the_breaker_cannot_stick_half_open() -> None:
+    clock = Clock()
+    breaker = CircuitBreaker(threshold=1, cooldown_s=5, clock=clock)
+    breaker.failure("a")
+    clock.now = 5.0
+    assert breaker.allow("a")  # the probe was let through, but the request went elsewhere: no outcome comes
+    clock.now = 9.0
+    assert not breaker.allow("a")
+    clock.now = 10.0
+    assert breaker.allow("a")  # the unanswered probe expired: another caller probes
+    breaker.success("a")
+    assert breaker.state("a") == CLOSED
+
+
 def test_token_bucket() -> None:
     clock = Clock()
     bucket = TokenBucket(rate=2, burst=2, clock=clock)
