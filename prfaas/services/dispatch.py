@@ -122,7 +122,8 @@ class Dispatcher:
                                         decode.datacenter) if not resumed else None
         job.decode_dc, job.prefill_dc = decode.datacenter, job.prefill_dc if resumed else decode.datacenter
         if decision is not None:
-            job.extension.update(route=decision.route, reason=decision.reason, decode_instance=decode.instance_id,
+            job.extension.update(route=decision.route, reason=decision.reason, reason_code=decision.reason_code,
+                                 decode_instance=decode.instance_id,
                                  retries=job.extension.get("retries", 0), fallback=False)
             metrics.ROUTES.labels(route=decision.route, reason=decision.reason_code).inc()
         if decision is not None and decision.route == "remote":

@@ -94,6 +94,7 @@ def test_a_deployment_serves_a_synthetic_model_remote_and_local() -> None:
             reply = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 6,
                                                                "temperature": 0}, timeout=60).json()
             assert reply["prfaas"]["route"] == route, reply["prfaas"]
+            assert reply["prfaas"]["reason_code"] == {"remote": "over_threshold", "local": "below_threshold"}[route]
             assert reply["choices"][0]["text"] == engine.tokenizer.decode(engine.generate(prompt, 6))
             if route == "remote":
                 assert reply["prfaas"]["kv_bytes"] >= engine.plan.kv_bytes(len(prompt))
