@@ -32,7 +32,7 @@ from collections.abc import Callable
 TLS_SLICE = 1 << 20  # plaintext handed to OpenSSL per write (it cuts it into 16 KiB records)
 TLS_READ_BUFFER = 64 << 10  # ciphertext OpenSSL reads per recv (read-ahead): the best measured of 16–256 KiB
 TLS_RECORD_BYTES = 16384 + 256 + 5  # the most of one record OpenSSL can hold undecrypted (TLS 1.3: +22 bytes)
-LOWAT_MIN, LOWAT_MAX = 128 << 10, 512 << 10  # wake-up thresholds for large reads (``Conn._expect``)
+LOWAT_MAX = 512 << 10  # a waiting reader wakes once this much (or all it still needs) has arrived
 _WANT = (ssl_module.SSLWantReadError, ssl_module.SSLWantWriteError)
 
 
@@ -169,12 +169,12 @@ class Conn:
             piece = piece[sent:]
 
     def _expect(self, need: int) -> None:
-        """Before a reader waits: wake it only once ``need`` bytes (rounded down to a power of two, at
-        most ``LOWAT_MAX``; 1 below ``LOWAT_MIN``) are queued (``SO_RCVLOWAT``), so a large frame arrives in a few
-        wake-ups of the event loop instead of one per few segments. Never more than the waiter still needs (set
-        before every wait): the kernel also wakes it at end of stream, on errors, and when its buffer or window runs
-        short."""
-        target = 1 << (min(need, LOWAT_MAX).bit_length() - 1) if need >= LOWAT_MIN else 1
+        """Before a reader waits: wake it only once ``need`` bytes (at most ``LOWAT_MAX``) are queued
+        (``SO_RCVLOWAT``), so a large frame arrives in a few wake-ups of the event loop instead of one per few
+        segments (on a 1 Gbit path a wake-up brought a few KiB). Never more than the waiter still needs (set before
+        every wait, one system call when it changes): the kernel also wakes it at end of stream, on errors, and
+        when its buffer or window runs short."""
+        target = max(1, min(need, LOWAT_MAX))
         if target != self._lowat:
             self._lowat = target
             with contextlib.suppress(OSError):

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from prfaas.transfer.wire import LOWAT_MIN, Conn
+from prfaas.transfer.wire import Conn
 from tests.transfer.helpers import run
 from tests.transfer.test_tls import contexts
 
 BIG = 3 << 20
+SOME = 192 << 10  # less than a waiting reader's threshold, more than a TLS record
 PAYLOAD = bytes(range(256)) * (BIG // 256)
 
 Scenario = Callable[[Conn, Conn], Awaitable[None]]
@@ -60,7 +61,7 @@ def pair(tmp_path: Path, tls: bool, scenario: Scenario) -> None:
 def test_a_small_frame_after_a_large_one_and_a_pause_half_way(tmp_path: Path, tls: bool) -> None:
     async def scenario(sender: Conn, receiver: Conn) -> None:
         async def send() -> None:
-            last = LOWAT_MIN + LOWAT_MIN // 2  # between the thresholds: the reader must not wait for more
+            last = SOME  # the reader must not wait for more than the frame lacks
             await sender.sendall(PAYLOAD[:BIG - last])
             await asyncio.sleep(0.2)  # the reader waits, for no more than the frame still lacks
             await sender.sendall(PAYLOAD[BIG - last:])
@@ -81,12 +82,12 @@ def test_a_small_frame_after_a_large_one_and_a_pause_half_way(tmp_path: Path, tl
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_stream_that_ends_short_of_a_large_frame_ends_the_read(tmp_path: Path, tls: bool) -> None:
     async def scenario(sender: Conn, receiver: Conn) -> None:
-        await sender.sendall(PAYLOAD[:LOWAT_MIN // 2])
+        await sender.sendall(PAYLOAD[:SOME])
         sender.write_eof()
         async with asyncio.timeout(5):
             with pytest.raises(asyncio.IncompleteReadError) as caught:
                 await receiver.recv_exactly(memoryview(bytearray(BIG)))
-        assert len(caught.value.partial) == LOWAT_MIN // 2
+        assert len(caught.value.partial) == SOME
 
     pair(tmp_path, tls, scenario)
 
@@ -94,7 +95,7 @@ def test_a_stream_that_ends_short_of_a_large_frame_ends_the_read(tmp_path: Path,
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_stalled_large_frame_times_out_and_a_reset_is_a_connection_error(tmp_path: Path, tls: bool) -> None:
     async def scenario(sender: Conn, receiver: Conn) -> None:
-        await sender.sendall(PAYLOAD[:LOWAT_MIN * 2])
+        await sender.sendall(PAYLOAD[:SOME])
         view = memoryview(bytearray(BIG))
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.3):
