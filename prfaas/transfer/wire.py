@@ -11,9 +11,11 @@ decrypts into the caller's buffer, and no ciphertext passes through Python buffe
 against ``ssl.SSLObject`` over memory BIOs (which copied each byte into and out of the BIOs; 2 shared cores,
 OpenSSL 3.0): on loopback sender CPU per GB 10–20 % lower and receiver 5–15 % higher (more, smaller system
 calls), both ends together about the same or a few % lower; across a 10 Gbit veth pair about the same on both
-ends. The receiver needs OpenSSL's read-ahead (``read_ahead``), or it reads every 16 KiB record with two system
-calls. What decides TLS goodput here is AES-GCM itself (about 4 GB/s per core, ``openssl speed``) on both ends
-plus the kernel's copies, on two cores shared by both ends.
+ends. OpenSSL reads each 16 KiB record with two system calls (its header, then its body): Python's ``ssl`` module
+does not expose read-ahead, which saved 3–9 % of the receiver's CPU in the figures above (set there through
+CPython's private object layout, which prfaas does not ship). What decides TLS goodput here is
+AES-GCM itself (about 4 GB/s per core, ``openssl speed``) on both ends plus the kernel's copies, on two cores shared
+by both ends.
 
 A reader that has to wait sets ``SO_RCVLOWAT`` to what its frame still lacks (``_expect``), so a chunk arriving
 over a slow path wakes the event loop a few times instead of once per few segments: receiver CPU per GB across a
@@ -28,15 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import socket
 import ssl as ssl_module
-import sys
 from collections.abc import Callable
 
 TLS_SLICE = 1 << 20  # plaintext handed to OpenSSL per write (it cuts it into 16 KiB records)
-TLS_READ_BUFFER = 64 << 10  # ciphertext OpenSSL reads per recv (read-ahead): the best measured of 16–256 KiB
 TLS_RECORD_BYTES = 16384 + 256 + 5  # the most of one record OpenSSL can hold undecrypted (TLS 1.3: +22 bytes)
 LOWAT_MAX = 512 << 10  # a waiting reader wakes once this much (or all it still needs) has arrived
 _WANT = (ssl_module.SSLWantReadError, ssl_module.SSLWantWriteError)
@@ -84,7 +82,6 @@ class Conn:
                               server_hostname=None if server_side else server_hostname)
         self.sock = self.tls = tls  # the plain socket object gave its descriptor to the SSLSocket
         self._read = tls._sslobj.read  # type: ignore[attr-defined]  # one record per call: skip two wrappers
-        read_ahead(tls, TLS_READ_BUFFER)
         while True:
             try:
                 tls.do_handshake()
@@ -253,47 +250,3 @@ class Conn:
             self._loop.remove_writer(fd)
         else:
             self._loop.remove_reader(fd)
-
-
-def read_ahead(tls: ssl_module.SSLSocket, buffer_bytes: int) -> bool:
-    """Let OpenSSL read up to ``buffer_bytes`` of ciphertext per ``recv`` (``SSL_set_read_ahead`` and
-    ``SSL_set_default_read_buffer_len``; call before the handshake). Without it OpenSSL reads each 16 KiB record
-    with two system calls (its 5-byte header, then its body): receiver CPU per GB about 8 % higher. Larger
-    buffers do not pay either: OpenSSL 3.0 moves what is left in the buffer to its front before every record.
-
-    Python's ``ssl`` module does not expose these two settings, so the connection's ``SSL *`` is read from the
-    ``_ssl`` object (CPython's layout: ``PyObject_HEAD; PyObject *Socket; SSL *ssl; PySSLContext *ctx``), and used
-    only after the ``ctx`` slot next to it was checked to hold the object's own context and OpenSSL confirmed the
-    socket. Returns False, changing nothing, wherever a check fails: records are then read one at a time."""
-    if sys.implementation.name != "cpython":
-        return False
-    lib = _libssl()
-    obj = getattr(tls, "_sslobj", None)
-    if lib is None or obj is None:
-        return False
-    base, word = id(obj), ctypes.sizeof(ctypes.c_void_p)
-    head = 2 * word if ctypes.sizeof(ctypes.c_ssize_t) == word else 0  # ob_refcnt, ob_type
-    if not head or ctypes.c_void_p.from_address(base + head + 2 * word).value != id(obj.context):
-        return False
-    ssl_ptr = ctypes.c_void_p.from_address(base + head + word).value
-    if not ssl_ptr or lib.SSL_get_fd(ssl_ptr) != tls.fileno():
-        return False
-    lib.SSL_set_read_ahead(ssl_ptr, 1)
-    lib.SSL_set_default_read_buffer_len(ssl_ptr, buffer_bytes)
-    return True
-
-
-@functools.cache
-def _libssl() -> ctypes.CDLL | None:
-    """The OpenSSL that Python's ``_ssl`` module is linked with (its symbols resolve through ``_ssl``)."""
-    try:
-        import _ssl
-
-        lib = ctypes.CDLL(_ssl.__file__)
-        lib.SSL_get_fd.argtypes, lib.SSL_get_fd.restype = [ctypes.c_void_p], ctypes.c_int
-        lib.SSL_set_read_ahead.argtypes, lib.SSL_set_read_ahead.restype = [ctypes.c_void_p, ctypes.c_int], None
-        lib.SSL_set_default_read_buffer_len.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        lib.SSL_set_default_read_buffer_len.restype = None
-    except (OSError, AttributeError, ImportError):
-        return None
-    return lib
