@@ -182,8 +182,12 @@ class Dispatcher:
                 if accepted.get("event") != "accepted":
                     raise _error(accepted)
                 done: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(anext(lines))
+                proven = False
                 try:
                     async for event in self._decode(job, decode, pull):
+                        if not proven and job.first_token_at is not None:  # its KV reached decode: healthy
+                            proven = True
+                            self.scheduler.breakers.success(prefill.instance_id)
                         if event["event"] == "done":
                             self._prefill_facts(job, prefill, await done)
                         yield event
