@@ -7,7 +7,7 @@ Goodput counts payload bytes only: Gbit/s = payload bytes × 8 / seconds / 1e9. 
 ``bytes, seconds, gbps`` (the best pull), ``median_gbps``, ``push_seconds``, ``push_gbps``, ``streams``,
 ``chunk_kb``, ``tls``, ``repeat``, ``target``, and ``cpu_s_per_gb``: this (receiving) process's CPU seconds per GB
 pulled, all its threads, the median over the pulls; with the local relay also ``server_cpu_s_per_gb``, the relay
-process's (sending) CPU seconds per GB pulled (Linux ``/proc``), the median over the pulls.
+process's (sending) CPU seconds per GB pulled, the median over the pulls.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import ssl
 import statistics
 import subprocess
@@ -93,14 +92,16 @@ def relay_main(budget: int, cert: str | None, key: str | None, ports: Any, stop:
 
 
 def process_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far, all its threads (``/proc``); None where unreadable."""
+    """User + system CPU seconds of process ``pid`` so far, all its threads; None where unreadable."""
+    import psutil
+
     if pid is None:
         return None
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return float(times.user + times.system)
 
 
 async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, streams: int, repeat: int,
