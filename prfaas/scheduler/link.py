@@ -52,9 +52,9 @@ class LinkMonitor:
 
     def record(self, ok: bool, exposed_ms: float = 0.0) -> None:
         healthy = ok and exposed_ms <= self.degrade_p99_ms
-        degraded = self.health().degraded
+        counts = healthy and self.health().degraded  # the window is judged only when the outcome could end it
         self._samples.append((self.clock(), ok, max(0.0, exposed_ms)))
-        self._healthy_run = self._healthy_run + 1 if healthy and degraded else 0
+        self._healthy_run = self._healthy_run + 1 if counts else 0
         if self._healthy_run >= self.recover_after:  # the link is back: judge it from these outcomes on
             for _ in range(len(self._samples) - self._healthy_run):
                 self._samples.popleft()
