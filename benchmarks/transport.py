@@ -8,16 +8,21 @@ pair, ``tbf`` on both ends; skipped with the reason when namespaces cannot be ma
 runs on the client side (namespace a) and the sender/server on the other (namespace b):
   iperf3 -P N           the wire's ceiling (Debian's iperf3, from scripts/install-system-deps.sh)
   python copy           ``sendall`` of a memoryview in 4 MiB slices → ``recv_into`` a preallocated bytearray
+  python tls copy       the same through TLS 1.3 with Python's ``ssl`` module (``tls_copy.py stdlib``): the most
+                        any Python data plane on that ``ssl`` module can move, with no protocol and no checksums
+  pyopenssl tls copy    the same with pyOpenSSL on the newer OpenSSL inside ``cryptography``'s wheels, reading
+                        with ``SSL_read`` itself (``tls_copy.py pyopenssl``; its own venv, made here)
   prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull ``PULLS`` times into a fresh BlobReader
                         (every chunk verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
   mooncake              Mooncake Transfer Engine's TCP transport (loopback; its own venv, made here)
 The machine is shared and noisy, so the tools run side by side: ``--repeat`` rounds, each running every tool once
 in turn, and every figure is a tool's best round (payload Gbit/s). "vs iperf3" divides by iperf3's best with the
-same number of streams (python copy and mooncake by iperf3 -P 1); "vs ceiling" by the best iperf3 of any stream
+same number of streams (the copies and mooncake by iperf3 -P 1); "vs ceiling" by the best iperf3 of any stream
 count on that path (what the wire gave at best). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
 
-TLS cost (second table): per path and stream count, TLS goodput / plaintext goodput, and the receiving process's
-CPU seconds per GB pulled (all its threads: receive, decrypt, verify, rebuild) with and without TLS.
+TLS cost (second table): per path and stream count, TLS goodput / plaintext goodput, prfaas TLS goodput / the bare
+TLS copy's (same ``ssl`` module, one stream), and the receiving process's CPU seconds per GB pulled (all its
+threads: receive, decrypt, verify, rebuild) with and without TLS, beside the bare copy's receiver.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import netns
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")
 MOONCAKE_VENV = ROOT / "benchmarks" / ".venv-mooncake"
+PYOPENSSL_VENV = ROOT / "benchmarks" / ".venv-pyopenssl"
 STREAMS = (1, 2, 4)
 PULLS = 3  # pulls per prfaas process: the first one also pays for first-touching the receive arena
 Wrap = Callable[[str, list[str]], list[str]]
@@ -110,14 +116,35 @@ def prfaas(wrap: Wrap, host: str, size: int, streams: int, repeat: int,
     return result
 
 
-def mooncake(size: int, repeat: int) -> float | str:
-    py = MOONCAKE_VENV / "bin" / "python"
+def side_venv(venv: Path, package: str) -> Path | str:
+    """The interpreter of a benchmark's own virtualenv with ``package`` installed (made on first use), or why not."""
+    py = venv / "bin" / "python"
     if not py.exists():
-        made = subprocess.run([sys.executable, "-m", "venv", str(MOONCAKE_VENV)], capture_output=True)
-        got = subprocess.run([str(py), "-m", "pip", "install", "-q", "mooncake-transfer-engine-non-cuda"],
+        made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
+        got = subprocess.run([str(py), "-m", "pip", "install", "-q", package],
                              capture_output=True, text=True) if made.returncode == 0 else made
         if got.returncode != 0:
-            return f"mooncake did not install: {str(got.stderr)[-300:]}"
+            return f"{package} did not install: {str(got.stderr)[-300:]}"
+    return py
+
+
+def tls_copy(wrap: Wrap, host: str, size: int, py: str, lib: str, certs: tuple[Path, Path]) -> dict[str, Any]:
+    peer, port = str(ROOT / "benchmarks" / "tls_copy.py"), "15351"
+    with background(wrap("b", [py, peer, "send", lib, "0.0.0.0", port, str(size), *map(str, certs)])) as sender:
+        assert sender.stdout is not None
+        sender.stdout.readline()  # listening
+        out = subprocess.run(wrap("a", [py, peer, "recv", lib, host, port, str(size), str(certs[0])]),
+                             capture_output=True, text=True, timeout=300, check=True)
+        sent_cpu = float(sender.stdout.readline())
+    seconds, cpu = map(float, out.stdout.split())
+    return {"gbps": size * 8 / seconds / 1e9, "cpu_s_per_gb": cpu / (size / 1e9),
+            "sender_cpu_s_per_gb": sent_cpu / (size / 1e9)}
+
+
+def mooncake(size: int, repeat: int) -> float | str:
+    py = side_venv(MOONCAKE_VENV, "mooncake-transfer-engine-non-cuda")
+    if isinstance(py, str):
+        return py
     peer = str(ROOT / "benchmarks" / "mooncake_peer.py")
     with background([str(py), peer, "server", "127.0.0.1", str(size)]) as server:
         assert server.stdout is not None
@@ -137,6 +164,7 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
     best: dict[tuple[str, int], dict[str, Any]] = {}
     rounds: dict[tuple[str, int], list[float]] = {}
     failed: dict[tuple[str, int], list[str]] = {}
+    pyopenssl = side_venv(PYOPENSSL_VENV, "pyopenssl")
 
     def keep(tool: str, n: int, got: dict[str, Any]) -> None:
         rounds.setdefault((tool, n), []).append(got["gbps"])
@@ -149,6 +177,9 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
         for n in STREAMS:
             keep("iperf3", n, {"gbps": iperf3(wrap, host, size, n, 1)})
         keep("python copy", 1, {"gbps": python_copy(wrap, host, size, 1)})
+        keep("python tls copy", 1, tls_copy(wrap, host, size, PY, "stdlib", certs))
+        if not isinstance(pyopenssl, str):
+            keep("pyopenssl tls copy", 1, tls_copy(wrap, host, size, str(pyopenssl), "pyopenssl", certs))
         for tls in (None, certs):
             for n in STREAMS:
                 tool = "prfaas tls" if tls else "prfaas"
@@ -160,17 +191,22 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
     rows: list[dict[str, Any]] = []
     wire = max(best[("iperf3", n)]["gbps"] for n in STREAMS)
     for (tool, n), got in best.items():
-        ceiling = best[("iperf3", n if tool != "python copy" else 1)]["gbps"]
+        ceiling = best[("iperf3", n)]["gbps"]
         row = {"path": name, "tool": tool, "streams": n, "gbps": got["gbps"], "vs_iperf3": got["gbps"] / ceiling,
                "vs_ceiling": got["gbps"] / wire, "rounds_gbps": rounds[(tool, n)]}
         if tool.startswith("prfaas"):
             row |= {k: got[k] for k in ("push_gbps", "median_gbps", "cpu_s_per_gb", "chunk_kb")}
             row["failed_runs"] = failed.get((tool, n), [])
+        elif "cpu_s_per_gb" in got:
+            row |= {k: got[k] for k in ("cpu_s_per_gb", "sender_cpu_s_per_gb")}
         rows.append(row)
     for (tool, n), errors in failed.items():
         if (tool, n) not in best:
             rows.append({"path": name, "tool": tool, "streams": n, "gbps": None, "vs_iperf3": None,
                          "vs_ceiling": None, "failed_runs": errors})
+    if isinstance(pyopenssl, str):
+        rows.append({"path": name, "tool": "pyopenssl tls copy", "streams": 1, "gbps": None, "vs_iperf3": None,
+                     "vs_ceiling": None, "note": pyopenssl})
     if name == "loopback":
         mc = mooncake(size, repeat)
         rows.append({"path": name, "tool": "mooncake tcp", "streams": 1,
@@ -182,15 +218,19 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
 
 
 def tls_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per path and stream count: TLS goodput over plaintext goodput, and CPU seconds per GB both ways."""
+    """Per path and stream count: TLS goodput over plaintext goodput and over the bare TLS copy with the same
+    ``ssl`` module (one stream), and the receiving process's CPU seconds per GB, plaintext, TLS and the bare copy."""
     by = {(r["path"], r["tool"], r["streams"]): r for r in rows}
     out = []
     for (path, tool, n), plain in by.items():
         tls = by.get((path, "prfaas tls", n))
         if tool != "prfaas" or tls is None or plain["gbps"] is None or tls["gbps"] is None:
             continue
+        copy = by.get((path, "python tls copy", 1), {})
         out.append({"path": path, "streams": n, "goodput_ratio": tls["gbps"] / plain["gbps"],
-                    "plain_cpu_s_per_gb": plain.get("cpu_s_per_gb"), "tls_cpu_s_per_gb": tls.get("cpu_s_per_gb")})
+                    "vs_tls_copy": tls["gbps"] / copy["gbps"] if copy.get("gbps") else None,
+                    "plain_cpu_s_per_gb": plain.get("cpu_s_per_gb"), "tls_cpu_s_per_gb": tls.get("cpu_s_per_gb"),
+                    "tls_copy_cpu_s_per_gb": copy.get("cpu_s_per_gb")})
     return out
 
 
@@ -207,11 +247,14 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def cost_table(cost: list[dict[str, Any]]) -> str:
-    lines = ["| path | streams | TLS / plaintext goodput | receiver CPU s/GB plaintext | receiver CPU s/GB TLS |",
-             "|---|---|---|---|---|"]
+    lines = ["| path | streams | TLS / plaintext goodput | TLS / python tls copy | receiver CPU s/GB plaintext "
+             "| receiver CPU s/GB TLS | python tls copy receiver CPU s/GB |", "|---|---|---|---|---|---|---|"]
     for c in cost:
-        cpu = [f"{c[k]:.2f}" if c[k] is not None else "–" for k in ("plain_cpu_s_per_gb", "tls_cpu_s_per_gb")]
-        lines.append(f"| {c['path']} | {c['streams']} | {c['goodput_ratio']:.0%} | {cpu[0]} | {cpu[1]} |")
+        cpu = [f"{c[k]:.2f}" if c.get(k) is not None else "–"
+               for k in ("plain_cpu_s_per_gb", "tls_cpu_s_per_gb", "tls_copy_cpu_s_per_gb")]
+        copy = "–" if c.get("vs_tls_copy") is None else f"{c['vs_tls_copy']:.0%}"
+        lines.append(f"| {c['path']} | {c['streams']} | {c['goodput_ratio']:.0%} | {copy} | {cpu[0]} | {cpu[1]} "
+                     f"| {cpu[2]} |")
     return "\n".join(lines)
 
 
