@@ -47,7 +47,7 @@ class Conn:
         sock.setblocking(False)
         self.sock: socket.socket = sock  # after ``start_tls``, the ``SSLSocket`` (the same descriptor)
         self.tls = tls
-        self._read: Callable[[int, memoryview], int] | None = None  # ``SSL_read`` into a buffer (TLS)
+        self._read: Callable[[memoryview, int], int] | None = None  # TLS: ``recv_into``, one record per call
         self._lowat = 1  # the socket's SO_RCVLOWAT (``_expect``)
         self._loop = asyncio.get_running_loop()
         self._waiters: tuple[list[asyncio.Future[None]], list[asyncio.Future[None]]] = ([], [])  # read, write
@@ -81,7 +81,7 @@ class Conn:
         tls = ctx.wrap_socket(self.sock, server_side=server_side, do_handshake_on_connect=False,
                               server_hostname=None if server_side else server_hostname)
         self.sock = self.tls = tls  # the plain socket object gave its descriptor to the SSLSocket
-        self._read = tls._sslobj.read  # type: ignore[attr-defined]  # one record per call: skip two wrappers
+        self._read = tls.recv_into
         while True:
             try:
                 tls.do_handshake()
@@ -115,7 +115,7 @@ class Conn:
         read, want, got = self._read, len(view), 0
         while got < want:
             try:
-                n = read(want - got, view[got:] if got else view)  # one record at most; 0: close_notify
+                n = read(view[got:] if got else view, want - got)  # one record at most; 0: close_notify
             except _WANT as exc:
                 if got:
                     return got
