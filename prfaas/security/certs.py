@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def issue(directory: str | os.PathLike[str], role: str, name: str, *, hosts: Seq
 def revoke(directory: str | os.PathLike[str], name: str, days: int = 30) -> Path:
     """Add certificate ``<name>.pem`` to the CA's revocation list ``crl.pem`` (created or re-signed with the CA
     key, valid for ``days``: re-run before it lapses, since an expired list fails every handshake). Returns its
-    path. Peers configured with ``tls.crl`` refuse the certificate once they load the list (at start)."""
+    path, written whole (a new file renamed over the old). Peers configured with ``tls.crl`` re-read the list within
+``tls.CRL_CHECK_S`` seconds of a change and refuse the certificate at their next handshake."""
     root = Path(directory)
     if not (root / CA_KEY).exists():
         raise InvalidRequest(f"no CA in {root}; revoke where `prfaas certs init` ran")
@@ -100,7 +102,7 @@ def revoke(directory: str | os.PathLike[str], name: str, days: int = 30) -> Path
     ca = x509.load_pem_x509_certificate((root / CA_CERT).read_bytes())
     assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
     serial = x509.load_pem_x509_certificate((root / f"{name}.pem").read_bytes()).serial_number
-    now = _now()
+    now = _crl_time(root)
     entries, number = revoked_list(root), _crl_number(root) + 1
     builder = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(now)
                .next_update(now + dt.timedelta(days=days)).add_extension(x509.CRLNumber(number), critical=False)
@@ -109,8 +111,9 @@ def revoke(directory: str | os.PathLike[str], name: str, days: int = 30) -> Path
         entries.append(x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
     for entry in entries:
         builder = builder.add_revoked_certificate(entry)
-    path = root / CRL
-    path.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    path, part = root / CRL, root / f".{CRL}.part"
+    part.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    os.replace(part, path)  # a process re-reading the list never sees half of it
     return path
 
 
@@ -118,6 +121,18 @@ def revoked_list(directory: str | os.PathLike[str]) -> list[x509.RevokedCertific
     """The entries of ``crl.pem`` in ``directory`` (none if there is no list yet)."""
     path = Path(directory) / CRL
     return list(x509.load_pem_x509_crl(path.read_bytes())) if path.exists() else []
+
+
+def _crl_time(root: Path) -> dt.datetime:
+    """Now, once the clock has passed the current list's ``lastUpdate`` by a second (waits up to a second): a peer
+    holding both lists checks against the one updated last, and a list dated in the future is not valid yet."""
+    now = _now()
+    if (root / CRL).exists():
+        after = x509.load_pem_x509_crl((root / CRL).read_bytes()).last_update_utc + dt.timedelta(seconds=1)
+        if now < after:
+            time.sleep((after - now).total_seconds())
+            now = _now()
+    return now.replace(microsecond=0)
 
 
 def _crl_number(root: Path) -> int:

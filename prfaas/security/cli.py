@@ -35,8 +35,9 @@ def revoke(directory: str = typer.Argument(..., help="the directory of `prfaas c
            name: str = typer.Argument(..., help="the certificate to revoke: NAME.pem in DIR"),
            days: int = typer.Option(30, "--days", help="validity of the list; re-run `revoke` before it lapses")
            ) -> None:
-    """Add NAME's certificate to DIR/crl.pem (signed by the CA). Copy crl.pem to every host, set tls.crl, and
-    restart the instances: they then refuse that certificate at the handshake."""
+    """Add NAME's certificate to DIR/crl.pem (signed by the CA). Copy crl.pem to every host whose tls.crl names
+    it: each process re-reads the list within 5 s and refuses that certificate at its next handshake (no
+    restart; connections already open stay up)."""
     from prfaas.security import certs
 
     path = certs.revoke(directory, name, days=days)

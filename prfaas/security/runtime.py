@@ -40,6 +40,8 @@ def configure(config: Config, role: str) -> None:
         return
     _CURRENT = _Settings(config.tls, role, tls_contexts.client_context(config.tls))
     tls_contexts.server_context(config.tls)
+    if config.tls.crl:
+        tls_contexts.watch_crls()  # `prfaas certs revoke` takes effect without a restart
 
 
 def enabled() -> bool:

@@ -7,17 +7,36 @@ A plaintext peer fails the handshake, so nothing it sends is read as a request. 
 revocation list, ``prfaas certs revoke``) both sides check the peer's certificate against it
 (``VERIFY_CRL_CHECK_LEAF``): a revoked certificate fails the handshake. Failures: a missing or unreadable file
 raises ``InvalidRequest`` naming it.
+
+Revocation without restarts: every context that checks a list is remembered (weakly), and ``reload_crls`` loads a
+list again into all of them once the file changed (size or modification time). OpenSSL keeps both lists and checks
+each peer against the newest valid one (latest ``lastUpdate``; ``certs.revoke`` makes each list's later than the
+last), so the next handshake — TLS or HTTPS, client or server — sees the new list; connections already open stay
+up. ``watch_crls`` runs ``reload_crls`` every ``CRL_CHECK_S`` seconds on a daemon thread (``runtime.configure``
+starts it when ``tls.crl`` is set). A list that cannot be read or parsed (half copied, say) is logged and tried
+again at the next check; the one loaded stays in force meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
+import threading
+import time
+import weakref
 
 from prfaas.config import TLSConfig
 from prfaas.errors import InvalidRequest
+
+log = logging.getLogger("prfaas.security")
+CRL_CHECK_S = 5.0
+_CRL_CONTEXTS: weakref.WeakKeyDictionary[ssl.SSLContext, str] = weakref.WeakKeyDictionary()  # context → list
+_CRL_LOADED: dict[str, tuple[int, int] | None] = {}  # list → (mtime_ns, size) of the version the contexts hold
+_CRL_LOCK = threading.Lock()
+_WATCHER: list[threading.Thread] = []
 
 
 def enabled(tls: TLSConfig) -> bool:
@@ -65,6 +84,58 @@ def _load_crl(ctx: ssl.SSLContext, crl: str) -> None:
     except (OSError, ssl.SSLError) as exc:
         raise InvalidRequest(f"tls: cannot load the revocation list {crl}: {exc}") from exc
     ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+    with _CRL_LOCK:
+        _CRL_CONTEXTS[ctx] = crl
+        _CRL_LOADED.setdefault(crl, _stamp(crl))  # an older stamp only makes the next check load it once more
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def reload_crls() -> list[str]:
+    """Load every revocation list whose file changed into the contexts that check it; returns the lists loaded."""
+    loaded: list[str] = []
+    with _CRL_LOCK:
+        by_list: dict[str, list[ssl.SSLContext]] = {}
+        for ctx, crl in list(_CRL_CONTEXTS.items()):
+            by_list.setdefault(crl, []).append(ctx)
+        for crl, contexts in by_list.items():
+            stamp = _stamp(crl)
+            if stamp is None or stamp == _CRL_LOADED.get(crl):
+                continue
+            try:
+                for ctx in contexts:  # adding a list twice is harmless, so a retry may start over
+                    ctx.load_verify_locations(cafile=crl)
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("tls: cannot reload the revocation list %s (%s); the one loaded stays in force", crl, exc)
+                continue
+            _CRL_LOADED[crl] = stamp
+            loaded.append(crl)
+            log.info("tls: revocation list %s reloaded into %d contexts", crl, len(contexts))
+    return loaded
+
+
+def watch_crls(interval_s: float = CRL_CHECK_S) -> None:
+    """Run ``reload_crls`` every ``interval_s`` on one daemon thread for the life of the process (idempotent)."""
+    with _CRL_LOCK:
+        if _WATCHER:
+            return
+        _WATCHER.append(threading.Thread(target=_watch, args=(interval_s,), name="prfaas-crl-watch", daemon=True))
+    _WATCHER[0].start()
+
+
+def _watch(interval_s: float) -> None:
+    while True:
+        time.sleep(interval_s)
+        try:
+            reload_crls()
+        except Exception:  # the watcher must outlive any one bad check
+            log.exception("tls: revocation list check failed")
 
 
 TLS_HANDSHAKE = b"\x16"  # the first byte of a TLS client's first record
