@@ -91,8 +91,8 @@ def issue(directory: str | os.PathLike[str], role: str, name: str, *, hosts: Seq
 def revoke(directory: str | os.PathLike[str], name: str, days: int = 30) -> Path:
     """Add certificate ``<name>.pem`` to the CA's revocation list ``crl.pem`` (created or re-signed with the CA
     key, valid for ``days``: re-run before it lapses, since an expired list fails every handshake). Returns its
-    path, written whole (a new file renamed over the old). Peers configured with ``tls.crl`` re-read the list within
-``tls.CRL_CHECK_S`` seconds of a change and refuse the certificate at their next handshake."""
+    path, written whole (a new file renamed over the old). Peers configured with ``tls.crl`` re-read the list
+    within ``tls.CRL_CHECK_S`` seconds of a change and refuse the certificate at their next handshake."""
     root = Path(directory)
     if not (root / CA_KEY).exists():
         raise InvalidRequest(f"no CA in {root}; revoke where `prfaas certs init` ran")

@@ -9,12 +9,12 @@ revocation list, ``prfaas certs revoke``) both sides check the peer's certificat
 raises ``InvalidRequest`` naming it.
 
 Revocation without restarts: every context that checks a list is remembered (weakly), and ``reload_crls`` loads a
-list again into all of them once the file changed (size or modification time). OpenSSL keeps both lists and checks
-each peer against the newest valid one (latest ``lastUpdate``; ``certs.revoke`` makes each list's later than the
-last), so the next handshake — TLS or HTTPS, client or server — sees the new list; connections already open stay
-up. ``watch_crls`` runs ``reload_crls`` every ``CRL_CHECK_S`` seconds on a daemon thread (``runtime.configure``
-starts it when ``tls.crl`` is set). A list that cannot be read or parsed (half copied, say) is logged and tried
-again at the next check; the one loaded stays in force meanwhile.
+list again into all of them once the file changed (inode, size or modification time). OpenSSL keeps both lists
+and checks each peer against the newest valid one (latest ``lastUpdate``; ``certs.revoke`` makes each list's later
+than the last), so the next handshake — TLS or HTTPS, client or server — sees the new list; connections already
+open stay up. ``watch_crls`` runs ``reload_crls`` every ``CRL_CHECK_S`` seconds on a daemon thread
+(``runtime.configure`` starts it when ``tls.crl`` is set). A list that cannot be read or parsed (half copied, say)
+is logged and tried again at the next check; the one loaded stays in force meanwhile.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from prfaas.errors import InvalidRequest
 log = logging.getLogger("prfaas.security")
 CRL_CHECK_S = 5.0
 _CRL_CONTEXTS: weakref.WeakKeyDictionary[ssl.SSLContext, str] = weakref.WeakKeyDictionary()  # context → list
-_CRL_LOADED: dict[str, tuple[int, int] | None] = {}  # list → (mtime_ns, size) of the version the contexts hold
+_CRL_LOADED: dict[str, tuple[int, int, int] | None] = {}  # list → (inode, mtime_ns, size) the contexts hold
 _CRL_LOCK = threading.Lock()
 _WATCHER: list[threading.Thread] = []
 
@@ -89,12 +89,12 @@ def _load_crl(ctx: ssl.SSLContext, crl: str) -> None:
         _CRL_LOADED.setdefault(crl, _stamp(crl))  # an older stamp only makes the next check load it once more
 
 
-def _stamp(path: str) -> tuple[int, int] | None:
+def _stamp(path: str) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def reload_crls() -> list[str]:

@@ -115,7 +115,7 @@ class Conn:
         read, want, got = self._read, len(view), 0
         while got < want:
             try:
-                n = read(view[got:] if got else view, want - got)  # one record at most; 0: close_notify
+                n = read(view[got:] if got else view, want - got)  # one record at most; 0: the stream ended
             except _WANT as exc:
                 if got:
                     return got
