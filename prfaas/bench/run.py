@@ -113,8 +113,10 @@ class Run:
         ttft_goal = (baseline["ttft_ms"]["p99"] or 0) * (1 + acceptance.ttft_overhead) / 1e3 if baseline \
             else acceptance.ttft_p99_ms / 1e3
         metrics = summarize(records, wall, windows, ttft_goal)
-        kv_ids = metrics["transfer"].pop("kv_ids") + (metrics["transfer_in_fault"] or {}).pop("kv_ids", [])
-        metrics["kv"] = prfaas_target.kv_release(before, after, kv_ids, acceptance.release_within_s)
+        views = [metrics["transfer"], metrics["transfer_in_fault"] or {}]
+        kv_ids = [k for view in views for k in view.pop("kv_ids", [])]
+        fallback_ids = [k for view in views for k in view.pop("fallback_kv_ids", [])]
+        metrics["kv"] = prfaas_target.kv_release(before, after, kv_ids, acceptance.release_within_s, fallback_ids)
         metrics["router"] = prfaas_target.delta(counters, await prfaas_target.router_counters(url))
         metrics["resources"] = self._resources(start, start + wall)
         verdict = {"pass": True, "failed": [], "checks": [], "reference": True} if label == "baseline" \

@@ -84,7 +84,8 @@ def transfer_view(records: list[RequestRecord]) -> dict[str, Any]:
         "degrade_rate": len(degraded) / prfaas_seen if prfaas_seen else None,
         "transfer_ms": {f"p{q}": _round(percentile(transfer_ms, q)) for q in (50, 99)},
         "kv_bytes": sum(int(r.prfaas.get("kv_bytes") or 0) for r in remote),
-        "kv_ids": [r.prfaas["kv_id"] for r in records if r.prfaas.get("kv_id")],
+        "kv_ids": [r.prfaas["kv_id"] for r in records if r.prfaas.get("kv_id") and not r.prfaas.get("fallback")],
+        "fallback_kv_ids": [r.prfaas["kv_id"] for r in fallbacks if r.prfaas.get("kv_id")],
     }
 
 

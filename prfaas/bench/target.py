@@ -26,24 +26,32 @@ async def kv_snapshot(url: str) -> dict[str, Any] | None:
 
 
 def kv_release(before: dict[str, Any] | None, after: dict[str, Any] | None, kv_ids: list[str],
-               within_s: float) -> dict[str, Any]:
-    """Did every KV blob of this cell end by release, within ``within_s`` of its creation, leaving no live blob?"""
+               within_s: float, fallback_ids: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Did every KV blob of this cell end by release, within ``within_s`` of its creation, leaving no live blob?
+
+    ``kv_ids`` are the blobs requests were served from: each must have ended, released. ``fallback_ids`` are those
+    of requests that fell back to local prefill: their push may never have reached a store (``never_stored``, no
+    record anywhere, and nothing live once the cell settles) or ended aborted, and either is the clean outcome; a
+    fallback blob still live counts in ``live_after`` like any other."""
     if before is None or after is None:
         return {"available": False}
+    fallback = set(fallback_ids)
     ended = [r for kv_id, r in after["records"].items() if kv_id not in before["records"]]
     reasons: dict[str, int] = {}
     for r in ended:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    wrong = [r for r in ended if r["reason"] != "released" and not (r["reason"] == "aborted"
+                                                                    and r["kv_id"] in fallback)]
     late = [r for r in ended if r["reason"] == "released" and (r["deleted_ms"] - r["created_ms"]) > within_s * 1e3]
     missing = [k for k in kv_ids if k not in after["records"]]
     lifetimes = sorted(r["deleted_ms"] - r["created_ms"] for r in ended if r["reason"] == "released")
     return {
         "available": True, "ended": len(ended), "reasons": reasons, "late": len(late),
         "not_ended": len(missing), "live_after": after["live_blobs"],
+        "never_stored": sum(1 for k in fallback if k not in after["records"]),
         "release_ms_max": lifetimes[-1] if lifetimes else None,
         "eviction_rate": reasons.get("evicted", 0) / len(ended) if ended else None,
-        "on_time": not late and not missing and after["live_blobs"] == 0
-        and all(reason == "released" for reason in reasons),
+        "on_time": not late and not missing and not wrong and after["live_blobs"] == 0,
     }
 
 

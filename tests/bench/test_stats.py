@@ -32,6 +32,7 @@ def test_summary_counts_latency_throughput_and_transfers() -> None:
     assert m["goodput_rps"] == 0.6  # six requests met the 150 ms TTFT goal
     t = m["transfer"]
     assert t["attempts"] == 12 and t["remote_ok"] == 10 and t["fallbacks"] == 1 and t["degraded"] == 1
+    assert t["fallback_kv_ids"] == ["k10"] and "k10" not in t["kv_ids"] and len(t["kv_ids"]) == 10
 
 
 def test_requests_in_a_fault_window_are_reported_apart() -> None:
@@ -52,6 +53,21 @@ def test_kv_release_needs_every_blob_released_in_time() -> None:
     assert not kv_release(before, expired, ["a"], within_s=1.0)["on_time"]
     assert not kv_release(before, after, ["a", "b"], within_s=1.0)["on_time"]  # b never ended
     assert kv_release(None, after, ["a"], 1.0) == {"available": False}
+
+
+def test_kv_release_lets_a_fallback_blob_be_never_stored_or_aborted_but_not_left() -> None:
+    """A request that fell back to local prefill may have pushed nothing a store kept (no record anywhere) or
+    had its half-written blob aborted: both are clean. Still live, or ended any other way, is not."""
+    before = {"live_blobs": 0, "records": {}}
+    good = {"kv_id": "a", "reason": "released", "created_ms": 0, "deleted_ms": 500}
+    aborted = {"kv_id": "f2", "reason": "aborted", "created_ms": 0, "deleted_ms": 100}
+    after = {"live_blobs": 0, "records": {"a": good, "f2": aborted}}
+    kv = kv_release(before, after, ["a"], within_s=1.0, fallback_ids=["f1", "f2"])
+    assert kv["on_time"] and kv["never_stored"] == 1 and kv["not_ended"] == 0
+    assert not kv_release(before, {**after, "live_blobs": 1}, ["a"], 1.0, ["f1", "f2"])["on_time"]
+    assert not kv_release(before, after, ["a", "f2"], 1.0, ["f1"])["on_time"]  # served from, so aborted is wrong
+    evicted = {"live_blobs": 0, "records": {"a": good, "f2": {**aborted, "reason": "evicted"}}}
+    assert not kv_release(before, evicted, ["a"], 1.0, ["f2"])["on_time"]
 
 
 def test_verdict_uses_the_relative_ttft_sla_and_says_why() -> None:
