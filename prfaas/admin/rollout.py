@@ -5,8 +5,11 @@ old pool by its key, admit the model name at weight 0, start the new instances).
 
 1. pre-flight (``prfaas.admin.check``): any error stops the rollout before traffic moves;
 2. canary steps: for each step ``w`` the new pool gets weight ``w`` and every old pool ``100 - w``; during each
-   hold the router's error counter is watched, and errors caused by the deployment (not by clients: bad requests,
-   rate limits, keys) roll the weights back (old 100, new 0) and stop with ``RolloutFailed``;
+   hold the router's per-pool outcomes (``prfaas_router_pool_requests_total``) are watched. Errors caused by the
+   deployment (not by clients: bad requests, rate limits, keys, streams the client left) in the new pool, at a
+   higher rate than in the old pools over the same hold, roll the weights back (old 100, new 0) and stop with
+   ``RolloutFailed``. Errors of the old pools alone do not: under real load some requests always fail somewhere,
+   and the canary is judged against the fleet it would replace;
 3. drain every instance of the old pools, prefill before decode (an old prefill's blobs are read by an old
    decode), one at a time, each until it has left the registry.
 
@@ -21,10 +24,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from prfaas.admin.check import ERROR, check, pool_key
 from prfaas.admin.client import AdminError, RouterClient
 
-CLIENT_CODES = frozenset({"INVALID_REQUEST", "RATE_LIMITED", "PROMPT_REFUSED"})
+CLIENT_CODES = frozenset({"INVALID_REQUEST", "RATE_LIMITED", "PROMPT_REFUSED", "cancelled"})
 ROLE_ORDER = {"prefill": 0, "decode": 1}
 POLL_S = 0.25
 
@@ -61,15 +66,35 @@ def resolve_pool(pools: dict[str, Any], name: str) -> str:
     return str(keys[0])
 
 
-def deployment_errors(metrics_text: str) -> float:
-    """The router's failed requests so far, leaving out the codes clients cause (``prfaas_router_errors_total``)."""
-    total = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith("prfaas_router_errors_total{"):
-            labels, value = line.rsplit(" ", 1)
-            if not any(f'code="{code}"' in labels for code in CLIENT_CODES):
-                total += float(value)
-    return total
+def pool_outcomes(metrics_text: str) -> dict[str, dict[str, float]]:
+    """``{pool: {outcome: requests}}`` so far, from the router's ``prfaas_router_pool_requests_total``."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name == "prfaas_router_pool_requests_total":
+                pool = out.setdefault(sample.labels.get("pool", ""), {})
+                outcome = sample.labels.get("outcome", "")
+                pool[outcome] = pool.get(outcome, 0.0) + sample.value
+    return out
+
+
+def judge_step(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], new_pool: str,
+               old_pools: Sequence[str]) -> dict[str, Any]:
+    """Requests and deployment errors of the new pool and of the old pools between two ``pool_outcomes``, and
+    ``rollback``: the new pool had such errors at a higher rate than the old pools."""
+    def tally(pools: Sequence[str]) -> tuple[float, float]:
+        requests = errors = 0.0
+        for pool in pools:
+            for outcome, n in after.get(pool, {}).items():
+                grew = n - before.get(pool, {}).get(outcome, 0.0)
+                requests += grew
+                errors += grew if outcome != "ok" and outcome not in CLIENT_CODES else 0.0
+        return requests, errors
+
+    (new_req, new_err), (old_req, old_err) = tally([new_pool]), tally(old_pools)
+    new_rate, old_rate = (new_err / new_req if new_req else 0.0), (old_err / old_req if old_req else 0.0)
+    return {"new_requests": new_req, "new_errors": new_err, "old_requests": old_req, "old_errors": old_err,
+            "rollback": new_err > 0 and new_rate > old_rate}
 
 
 def wait_gone(client: RouterClient, instance: str, timeout_s: float) -> float | None:
@@ -111,17 +136,20 @@ def _weights(client: RouterClient, run: Rollout, new: float) -> None:
 
 
 def _step(client: RouterClient, run: Rollout, weight: float, hold_s: float, echo: Callable[[str], None]) -> None:
-    before = deployment_errors(client.text("/metrics"))
+    before = pool_outcomes(client.text("/metrics"))
     _weights(client, run, weight)
     run.note("weight", new=weight, old=100 - weight)
     echo(f"weight {run.new_pool} {weight:g}, old pools {100 - weight:g}; holding {hold_s:g} s")
     time.sleep(hold_s)
-    rise = deployment_errors(client.text("/metrics")) - before
-    if rise > 0:
+    seen = judge_step(before, pool_outcomes(client.text("/metrics")), run.new_pool, run.old_pools)
+    facts = {k: v for k, v in seen.items() if k != "rollback"}
+    if seen["rollback"]:
         _weights(client, run, 0)
-        run.note("rollback", errors=rise)
-        raise RolloutFailed(f"{rise:g} requests failed at weight {weight:g}: rolled back (new pool weight 0, "
-                            f"old pools 100); nothing was drained")
+        run.note("rollback", **facts)
+        raise RolloutFailed(f"{seen['new_errors']:g} of {seen['new_requests']:g} requests to {run.new_pool} failed at "
+                            f"weight {weight:g} (old pools: {seen['old_errors']:g} of {seen['old_requests']:g}): "
+                            f"rolled back (new pool weight 0, old pools 100); nothing was drained")
+    run.note("held", **facts)
 
 
 def _drain_old(client: RouterClient, run: Rollout, timeout_s: float, echo: Callable[[str], None]) -> None:

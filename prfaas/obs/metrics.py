@@ -17,6 +17,8 @@ E2E = Histogram("prfaas_request_e2e_seconds", "Whole request latency seen by the
 ROUTES = Counter("prfaas_router_routes_total", "Route decisions by route and reason code", ["route", "reason"],
                  registry=REGISTRY)
 ERRORS = Counter("prfaas_router_errors_total", "Requests that failed, by error code", ["code"], registry=REGISTRY)
+POOL_REQUESTS = Counter("prfaas_router_pool_requests_total", "Requests placed in a pool (canary weights), by outcome: "
+                        "ok, or the error code", ["pool", "outcome"], registry=REGISTRY)
 RATE_LIMITED = Counter("prfaas_router_rate_limited_total", "Requests refused by the rate limit", registry=REGISTRY)
 ITL = Histogram("prfaas_request_itl_seconds", "Inter-token latency seen by the router",
                 buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0), registry=REGISTRY)

@@ -72,6 +72,16 @@ class Router:
     async def _complete(self, body: Any, chat: bool, tenant: TenantPolicy) -> Any:
         req = _redacted(openai_api.parse(body, chat), tenant)
         pool = self.registry.choose_pool(req.model, self.scheduler.rng)  # canary weights (registry.py)
+        try:
+            return await self._placed(req, chat, tenant, pool)
+        except PrfaasError as exc:  # per pool, so a rollout can tell a failing canary from the rest
+            metrics.POOL_REQUESTS.labels(pool, exc.code).inc()
+            raise
+        except httpx.TransportError:
+            metrics.POOL_REQUESTS.labels(pool, KVUnavailable.code).inc()
+            raise
+
+    async def _placed(self, req: openai_api.CompletionRequest, chat: bool, tenant: TenantPolicy, pool: str) -> Any:
         self._admit(tenant)
         tokenizer = next((i for i in self.registry.healthy("decode", pool or None) if tenant.allows(i.datacenter)),
                          None)
@@ -131,7 +141,7 @@ class Router:
 
     async def _sse(self, req: openai_api.CompletionRequest, rid: str, job: Job, first: dict[str, Any],
                    events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-        status = "error"
+        status = "cancelled"  # unless it ends with "done" or a prfaas error: the client left, or shutdown
         try:
             event, is_first = first, True
             while True:
@@ -151,6 +161,7 @@ class Router:
                 event = await anext(events)
         except PrfaasError as exc:
             metrics.ERRORS.labels(code=exc.code).inc()
+            status = exc.code
             yield _sse(http.error_body(exc.http_status, exc.message, exc.code))
         finally:
             self._observe(job, status)
@@ -161,9 +172,12 @@ class Router:
         n = len(job.generated)
         return {"prompt_tokens": len(job.token_ids), "completion_tokens": n, "total_tokens": len(job.token_ids) + n}
 
-    def _observe(self, job: Job, status: str) -> None:
-        route = job.extension.get("route", "local")
+    def _observe(self, job: Job, outcome: str) -> None:
+        """A request that reached decode ended: ``outcome`` is "ok", the error code, or "cancelled" (a stream that
+        stopped without either)."""
+        route, status = job.extension.get("route", "local"), "ok" if outcome == "ok" else "error"
         metrics.REQUESTS.labels(route=route, status=status).inc()
+        metrics.POOL_REQUESTS.labels(job.pool, outcome).inc()
         metrics.LINK_DEGRADED.set(1 if self.scheduler.link.health().degraded else 0)
         if job.first_token_at is not None:
             metrics.TTFT.labels(route=route).observe(job.first_token_at - job.arrived)
