@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="bfloat16 where the CPU has it natively, else float32")
     parser.add_argument("--threshold", type=int, default=256)
     parser.add_argument("--out", default=str(HERE / "results" / "acceptance-quick"))
     parser.add_argument("--port", type=int, default=8300, help="the lab deployment's router; the baseline's is +1")

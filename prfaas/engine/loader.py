@@ -24,8 +24,10 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
         from prfaas.engine.synthetic import load_synthetic
 
         return load_synthetic(spec)
+    if dtype == "auto":
+        dtype = native_dtype()
     if dtype not in DTYPES:
-        raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)} or auto, not {dtype!r}")
     if threads:
         torch.set_num_threads(threads)
     _quiet_transformers()
@@ -33,6 +35,16 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     model, tokenizer, name = _load(spec, DTYPES[dtype])
     model.eval()
     return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype))
+
+
+def native_dtype() -> str:
+    """What ``auto`` means: ``bfloat16`` on a GPU or where the CPU multiplies it natively (oneDNN's bf16 path: AVX-512
+    BF16, AMX, Arm BF16), else ``float32``. Without that support bfloat16 is emulated: on an AVX2-only CPU a matmul
+    ran at 1.2 GFLOP/s in bfloat16 against 66 in float32."""
+    if torch.cuda.is_available():
+        return "bfloat16"
+    native = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return "bfloat16" if native else "float32"
 
 
 def _quiet_transformers() -> None:

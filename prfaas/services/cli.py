@@ -13,6 +13,8 @@ THRESHOLD = typer.Option(None, "--offload-threshold", help="prompts longer than 
 ROUTER = typer.Option(..., "--router", help="the router's URL, e.g. http://10.0.0.1:8000")
 HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
+DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU or GPU "
+                     "computes it natively, else float32); every role of a deployment needs the same")
 
 
 def _config(path: str | None, threshold: int | None, datacenter: str | None = None) -> Config:
@@ -50,7 +52,7 @@ def _instance(role: str, router_url: str, instance_id: str, datacenter: str, mod
 def _role_command(role: str, default_dc: str, help_text: str) -> None:
     def command(router_url: str = ROUTER, instance_id: str = typer.Option("", "--instance-id"),
                 datacenter: str = typer.Option(default_dc, "--datacenter"), model: str = MODEL,
-                dtype: str = typer.Option("float32", "--dtype"), host: str = HOST,
+                dtype: str = DTYPE, host: str = HOST,
                 port: int = typer.Option(0, "--port", help="HTTP control port (0: any free port)"),
                 kv_port: int = typer.Option(0, "--kv-port", help="KV data port (0: any free port)"),
                 advertise_kv: str = typer.Option("", "--advertise-kv", help="HOST:PORT other roles dial for the KV "
@@ -71,7 +73,7 @@ _role_command("relay", "dc-b", "A relay (datacenter B): holds KV blobs between p
 def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="relay | direct"),
        port: int = typer.Option(8000, "--port"), prefill: int = typer.Option(1, "--prefill"),
        decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
-       config: str | None = CONFIG, dtype: str = typer.Option("float32", "--dtype"),
+       config: str | None = CONFIG, dtype: str = DTYPE,
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
                                 "(`prfaas lab up` first)"),
        tls: bool = typer.Option(False, "--tls", help="mutual TLS 1.3 everywhere, with certificates made in a "

@@ -1,8 +1,8 @@
 """CI's quick acceptance profile: the real embedded model (SmolLM2-135M), ``prfaas up --lab`` in the lab's two
 datacenters, a monolithic baseline, and ``prfaas bench run --quick`` with every network condition
 (``benchmarks/acceptance_quick.py``). Checks the report's structure, that the faults were really applied through
-the lab, and that acceptance passes in normal conditions at concurrency 1. About two minutes; root and namespaces
-needed.
+the lab, and that acceptance passes in normal conditions at concurrency 1. About two minutes in bfloat16, four in
+float32 on an AVX2-only CPU (``--dtype auto`` picks); root and namespaces needed.
 
 At concurrency 4 the verdict is reported, not required: on one 2-core host the disaggregated deployment's prefill
 and decode processes share the cores the monolithic baseline has to itself, and in a quiet CI-like run its TTFT

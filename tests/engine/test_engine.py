@@ -4,8 +4,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from prfaas.engine import load_engine
+from prfaas.engine.loader import native_dtype
 from prfaas.engine.worker import DecodeWorker
 from prfaas.errors import InvalidRequest, KVBadFormat, KVIncompatible
 from prfaas.kv import KVState
@@ -68,6 +70,14 @@ def test_bfloat16_engine_is_a_different_fingerprint(engines) -> None:
     kv = KVState.from_bytes(out.kv.to_bytes())
     assert kv.layers[0].tensors["keys"].dtype.name == "bfloat16"
     assert [out.next_token, *bf16.decode(kv, out.next_token, 7)] == bf16.generate(ids, 8)
+
+
+def test_auto_dtype_is_bfloat16_only_where_it_is_native(engines, monkeypatch) -> None:
+    assert load_engine("tiny-llama", dtype="auto").fingerprint.dtype == native_dtype()
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert native_dtype() == ("bfloat16" if torch.cuda.is_available() else "float32")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert native_dtype() == ("bfloat16" if torch.backends.mkldnn.is_available() else "float32")
 
 
 def test_bad_prompts_are_clear_errors(engines) -> None:
