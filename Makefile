@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -x
+	$(BIN)/python -m pytest -q -x --durations=15
 
 test: lint unit
 

@@ -13,6 +13,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from prfaas.errors import InvalidRequest
+from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.security import local
 
 _PR_SET_PDEATHSIG = 1
@@ -75,6 +76,8 @@ class Deployment:
             from prfaas.lab.placement import require_lab
 
             require_lab()
+        else:
+            _check_free(o.host, o.port)
         self._spawn(["router", "--host", o.host, "--port", str(o.port), "--mode", o.mode])
         if o.mode == "relay":
             self._spawn(["relay", "--instance-id", "relay-0", "--datacenter", "dc-b"])
@@ -109,13 +112,13 @@ class Deployment:
             dead = [c for c in self.children if c.poll() is not None]
             if dead:
                 role = " ".join(str(a) for a in list(dead[0].args)[3:6])  # type: ignore[arg-type]
-                raise RuntimeError(f"a role exited during start-up: {role} (exit {dead[0].returncode})")
+                raise PrfaasError(f"a role exited during start-up: {role} (exit {dead[0].returncode})")
             with contextlib.suppress(httpx.HTTPError):
                 verify = local.ca_client_context(self.tls_configs["ca"]) if self.tls_dir else True
                 if httpx.get(f"{self.url}/health", timeout=2.0, verify=verify).status_code == 200:
                     return
             time.sleep(0.25)
-        raise RuntimeError(f"the deployment was not healthy within {self.options.startup_timeout_s:.0f} s")
+        raise PrfaasError(f"the deployment was not healthy within {self.options.startup_timeout_s:.0f} s")
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -129,6 +132,17 @@ class Deployment:
         self.children.clear()
         if self.tls_dir:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
+
+
+def _check_free(host: str, port: int) -> None:
+    """``InvalidRequest`` now, rather than a router that dies after the other roles have started."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's server binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise InvalidRequest(f"the router cannot listen on {host}:{port} ({exc.strerror}): choose another --port"
+                                 ) from exc
 
 
 def run_up(options: UpOptions) -> None:

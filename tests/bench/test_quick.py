@@ -12,6 +12,7 @@ not a property this test can hold on such a machine."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,14 +34,27 @@ def _skip_reason() -> str | None:
     return None
 
 
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``cmd``'s result; past ``timeout`` it gets Ctrl-C (the script then stops both deployments and the lab, which a
+    kill would leave up for every later run) and the test fails."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=120)
+            pytest.fail(f"the quick profile ran past {timeout:.0f} s; its end:\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.slow
 def test_quick_profile_through_the_lab_passes_in_normal_conditions_at_concurrency_1(tmp_path: Path) -> None:
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
     out = tmp_path / "quick"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "acceptance_quick.py"), "--out", str(out),
-                           "--port", "8390", "--", "--quiet"], capture_output=True, text=True, timeout=560)
+    done = _run([sys.executable, str(ROOT / "benchmarks" / "acceptance_quick.py"), "--out", str(out),
+                 "--port", "8390", "--", "--quiet"], timeout=560)
     assert done.returncode in (0, 1), done.stderr[-3000:]  # 1: some fault cell failed acceptance (reported)
     assert Topology().ns_a not in namespaces(), "the lab was left up"
     results = json.loads((out / "results.json").read_text())

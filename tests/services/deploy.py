@@ -7,9 +7,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import IO
 
 import httpx
 
@@ -41,28 +43,52 @@ def descendants(pid: int) -> list[int]:
 
 @contextmanager
 def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...] = ()) -> Iterator[tuple]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "prfaas", "up", "--model", model, "--mode", mode, "--port", str(port),
-           "--offload-threshold", str(threshold), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = _start(model, mode, threshold, extra)
     children: list[int] = []
     try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + 300
-        for line in proc.stdout:
-            if "prfaas is up" in line or time.monotonic() > deadline:
-                break
-        assert httpx.get(f"{url}/health").status_code == 200, "deployment did not come up"
         children = descendants(proc.pid)
         yield url, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+        log.close()
         time.sleep(0.2)
         left = [p for p in children if os.path.exists(f"/proc/{p}") and _alive(p)]
         assert not left, f"processes left behind: {left}"
+
+
+def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...]) -> tuple[subprocess.Popen, str, IO[bytes]]:
+    """``prfaas up`` on a free port, healthy. The port can be taken between ``free_port`` and the router's bind (an
+    outgoing connection of an earlier test, say): ``prfaas up`` then refuses it, and another is tried."""
+    for _ in range(3):
+        port, log = free_port(), tempfile.TemporaryFile()  # noqa: SIM115 (closed by deployment())
+        cmd = [sys.executable, "-m", "prfaas", "up", "--model", model, "--mode", mode, "--port", str(port),
+               "--offload-threshold", str(threshold), *extra]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            if "prfaas is up" in line or time.monotonic() > deadline:
+                break
+        url = f"http://127.0.0.1:{port}"
+        if proc.poll() is None and _healthy(url):
+            return proc, url, log
+        proc.kill()
+        proc.wait()
+        log.seek(0)
+        said = log.read().decode(errors="replace")
+        log.close()
+        if "cannot listen on" not in said and "address already in use" not in said:
+            raise AssertionError(f"the deployment did not come up (exit {proc.returncode}):\n{said[-3000:]}")
+    raise AssertionError("no free port for the router in 3 tries")
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _alive(pid: int) -> bool:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -35,3 +38,15 @@ def test_sigterm_mid_request_leaves_nothing_behind() -> None:
         thread.join(60)
         assert not thread.is_alive()
     # leaving the context asserts that no child of the deployment is still alive
+
+
+def test_a_busy_port_is_a_clear_error_before_any_role_starts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "prfaas", "up", "--model", "tiny-llama", "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"error: INVALID_REQUEST: the router cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr and "serve" not in done.stderr  # no role was started
