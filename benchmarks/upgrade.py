@@ -31,7 +31,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.audit import verify
 from prfaas.audit.chain import read_entries
-from tests.services.test_upgrade import Served, UpgradeRun, mixed_pairs, references, run_upgrade
+from tests.services.test_upgrade import Served, UpgradeRun, greedy_check, mixed_pairs, run_upgrade
 
 
 def _latency_ms(results: list[Served]) -> dict[str, float | None]:
@@ -68,7 +68,7 @@ def summarise(run: UpgradeRun, clients: int, hold_s: float, steps: str) -> dict[
     during = [r for r in run.results if r.ended >= start and r.started <= end]
     after = [r for r in run.results if r.started > end]
     ok = [r for r in run.results if r.status == 200]
-    ref = references(run)
+    wrong, near_ties = greedy_check(run)
     audit = verify(run.audit)
     return {
         "scenario": {"model": "tiny-llama", "mode": "relay", "clients": clients, "hold_s": hold_s, "steps": steps},
@@ -77,7 +77,7 @@ def summarise(run: UpgradeRun, clients: int, hold_s: float, steps: str) -> dict[
         "fallbacks": sum(1 for r in ok if r.extension.get("fallback")),
         "retries": sum(int(r.extension.get("retries", 0)) for r in ok),
         "mixed_pairs": len(mixed_pairs(run)),
-        "greedy_mismatches": sum(1 for r in ok if r.text != ref[r.extension["pool"], r.prompt]),
+        "greedy_mismatches": len(wrong), "near_ties": near_ties,
         "served_by_pool": {("old" if k == run.old_pool else "new"): v
                            for k, v in Counter(r.extension["pool"] for r in ok).items()},
         "remote_requests": sum(1 for r in ok if r.extension.get("route") == "remote"),
@@ -96,7 +96,7 @@ def show(result: dict[str, Any]) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key in ("requests_during_upgrade", "failed", "fallbacks", "retries", "mixed_pairs", "greedy_mismatches",
-                "upgrade_s", "rollout_s"):
+                "near_ties", "upgrade_s", "rollout_s"):
         table.add_row(key, str(result[key]))
     table.add_row("served_by_pool", json.dumps(result["served_by_pool"]))
     table.add_row("drains_s", json.dumps(result["drains_s"]))

@@ -5,31 +5,15 @@ monolithic run's top-two logit margin is below 1e-4 (a near-tie): such steps are
 from __future__ import annotations
 
 import pytest
-import torch
 
 from prfaas.engine.batch import DecodeBatch, Row
 from tests.conftest import random_prompt
+from tests.exactness import first_divergence_is_a_near_tie
 
 MODELS = ["tiny-llama", "tiny-qwen3-next", "tiny-bamba", "tiny-lfm2", "tiny-gemma3", "tiny-kimi-linear",
           "tiny-minimax"]
 LENGTHS = [37, 300, 5, 120, 700, 64, 2]
 NEW = 10
-NEAR_TIE = 1e-4
-
-
-def first_divergence_is_a_near_tie(engine, ids: list[int], got: list[int], ref: list[int]) -> bool:
-    """True when the first differing step is one where the monolithic top-two margin is under 1e-4."""
-    step = next(i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b)
-    out = engine.prefill(ids)
-    if step == 0:
-        cache = engine.new_cache()
-        row = engine._forward(ids, cache, start=0)
-    else:
-        row = engine.continuation_logits(out.kv, ref[:step])[-1]
-    top2 = torch.topk(row, 2).values
-    return float(top2[0] - top2[1]) < NEAR_TIE
-
-
 
 
 @pytest.mark.parametrize("name", MODELS)

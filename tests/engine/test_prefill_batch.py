@@ -7,7 +7,7 @@ import pytest
 
 from prfaas.kv import KVState
 from tests.conftest import random_prompt
-from tests.engine.test_batch import first_divergence_is_a_near_tie
+from tests.exactness import first_divergence_is_a_near_tie
 
 LENGTHS = [37, 5, 120, 64, 2]
 NEW = 8

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 
+from prfaas.demo import chat_ids
 from tests.conftest import get_engine
+from tests.exactness import near_ties_in_text
 from tests.services.deploy import deployment
 
 SHORT = "What is the capital of France?"
@@ -43,8 +45,6 @@ def _assert_no_kv_left(url: str, kv_ids: list[str]) -> None:
 
 
 def reference(engine: Any, content: str) -> tuple[str, int]:
-    from prfaas.demo import chat_ids
-
     ids = chat_ids(engine, content)
     tokens = engine.generate(ids, MAX_TOKENS)
     return engine.tokenizer.decode(tokens, skip_special_tokens=True), len(ids)
@@ -85,8 +85,9 @@ def test_eight_concurrent_requests(served: tuple) -> None:
     prompts = [LONG if i % 2 else SHORT for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda p: chat(client, engine.name, p, stream=False), prompts))
-    for prompt, (text, extension, _) in zip(prompts, results, strict=True):
-        assert text == reference(engine, prompt)[0]
+    for prompt, (text, extension, _) in zip(prompts, results, strict=True):  # batched: near-ties are allowed
+        assert text == reference(engine, prompt)[0] or near_ties_in_text(
+            engine, chat_ids(engine, prompt), text, MAX_TOKENS) is not None
         if extension["route"] == "remote":
             kv_ids.append(extension["kv_id"])
 

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import get_engine, random_prompt
+from tests.exactness import near_ties_in_text
 from tests.services.deploy import free_port
 from tests.transfer.helpers import Fault, FaultProxy
 
@@ -106,13 +107,14 @@ def test_every_request_is_exact_or_fails_with_its_code_and_nothing_is_left(fault
         replies = list(pool.map(lambda p: _complete(url, p), prompts))
     assert proxy.proxy.connections >= len(prompts), "the pulls did not go through the proxy"
     outcomes: dict[str, int] = {}
-    for reply, text in zip(replies, expected, strict=True):
+    for prompt, reply, text in zip(prompts, replies, expected, strict=True):
         if reply["status"] != 200:  # allowed only with the code of CONTRACTS (fallback is on, so none expected)
             assert reply["error"]["code"] in ("KV_TIMEOUT", "KV_CORRUPT", "KV_TRUNCATED", "KV_UNAVAILABLE"), reply
             outcomes["error"] = outcomes.get("error", 0) + 1
             continue
         extension = reply["prfaas"]
-        assert reply["choices"][0]["text"] == text, extension
+        served = reply["choices"][0]["text"]  # decode batches the four clients: CONTRACTS' near-ties are allowed
+        assert served == text or near_ties_in_text(engine, prompt, served, MAX_TOKENS) is not None, extension
         assert extension["retries"] <= BUDGET + 1  # the pull's retries, then at most one fallback
         kind = "fallback" if extension.get("fallback") else extension["route"]
         outcomes[kind] = outcomes.get(kind, 0) + 1
