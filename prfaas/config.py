@@ -72,6 +72,7 @@ class Config:
     audit_log: str = ""  # hash-chained access/deletion log of each store; "{instance}" → instance id; "" = none
     drain_timeout_ms: int = 60000  # SIGTERM / `prfaas admin drain`: longest wait for in-flight work
     pools: dict[str, float] = field(default_factory=dict)  # model name or pool key → traffic weight (canary)
+    pool_weights_file: str = ""  # the router keeps admin weight changes here across restarts; "" = memory only
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant name → policy (prfaas.tenancy.policy)
     store_key_file: str = ""  # master key sealing blobs at rest (prfaas.store.sealed); also $PRFAAS_STORE_KEY
     redis_ca: str = ""  # CA bundle for a rediss:// redis_url; credentials in the URL or $PRFAAS_REDIS_PASSWORD

@@ -114,6 +114,9 @@ def weight(model: str = typer.Argument(..., help="model name or pool key"),
     reply = RouterClient(router, api_key).post("/admin/pools", {"weights": {model: value}})
     for pool in reply["pools"]:
         typer.echo(f"pool {pool['pool']} {pool['model']}: weight {pool['weight']}, instances {pool['instances']}")
+    kept = reply.get("kept_in")
+    typer.echo(f"weights kept in {kept}" if kept else "weights live in the router's memory only "
+               "(set pool_weights_file to keep them across restarts)")
 
 
 @app.command()

@@ -2,7 +2,9 @@
 
 - ``GET /admin/pools``: the pools (one per model fingerprint), their weights and instances, the router's config
   digest and blob format versions; ``POST /admin/pools`` ``{"weights": {model or pool key: weight}}`` shifts
-  traffic live (a canary step) without a restart; a new entry also lets that model's instances register.
+  traffic live (a canary step) without a restart; a new entry also lets that model's instances register. With
+  ``pool_weights_file`` set the change is kept there first (``prfaas.services.pool_weights``): a change that cannot
+  be written is refused (500) and not applied.
 - ``GET /admin/signals``: the autoscaling signals (``prfaas.services.signals``).
 - ``POST /admin/drain/{instance_id}``: stop placing work on the instance at once and ask it to drain (it exits
   when done). 404 when unknown; 502 when the instance cannot be reached (it is still marked draining).
@@ -21,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS
 from prfaas.services import drain as drain_module
-from prfaas.services import http
+from prfaas.services import http, pool_weights
 from prfaas.services.registry import pool_of
 
 
@@ -37,7 +39,8 @@ def install(app: FastAPI, router: Any) -> None:
         out = [{"pool": key, "model": fp.model, "weight": registry.weight_of(key, fp.model),
                 "fingerprint": fp.to_wire(), "instances": dict(roles.get(key, {}))}
                for key, fp in sorted(registry.models.items())]
-        return {"pools": out, "configured": registry.pools, "router_config_hash": router.config.digest(),
+        return {"pools": out, "configured": registry.pools, "kept_in": router.config.pool_weights_file or None,
+                "router_config_hash": router.config.digest(),
                 "router_format_version": FORMAT_VERSION, "router_reads": sorted(SUPPORTED_VERSIONS)}
 
     @app.post("/admin/pools")
@@ -46,7 +49,14 @@ def install(app: FastAPI, router: Any) -> None:
         if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) and w >= 0
                                                     for w in weights.values()):
             return JSONResponse(http.error_body(400, "weights must map names to numbers ≥ 0", None), 400)
-        registry.pools.update({str(k): float(v) for k, v in weights.items()})
+        changed = {**registry.pools, **{str(k): float(v) for k, v in weights.items()}}
+        if router.config.pool_weights_file:  # kept before applied: a restart never forgets an applied change
+            try:
+                pool_weights.save(router.config.pool_weights_file, changed)
+            except OSError as exc:
+                message = f"the weights could not be kept in {router.config.pool_weights_file} ({exc}); nothing changed"
+                return JSONResponse(http.error_body(500, message, None), 500)
+        registry.pools.update(changed)
         return await pools()
 
     @app.get("/admin/signals")

@@ -29,7 +29,7 @@ from prfaas.scheduler import Scheduler
 from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import apikeys, guards
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import admin_routes, drain, http, openai_api
+from prfaas.services import admin_routes, drain, http, openai_api, pool_weights
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
@@ -44,7 +44,8 @@ class Router:
             raise InvalidRequest("mode must be relay or direct")
         self.config = config
         self.mode = mode
-        self.registry = Registry(config.heartbeat_timeout_ms / 1e3, pools=config.pools)
+        self.registry = Registry(config.heartbeat_timeout_ms / 1e3,
+                                 pools={**config.pools, **pool_weights.load(config.pool_weights_file)})
         self.scheduler = Scheduler(config, mode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=tls_runtime.http_verify())
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
