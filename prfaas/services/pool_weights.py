@@ -37,9 +37,12 @@ def save(path: str, weights: dict[str, float]) -> None:
     """Write ``weights`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
     target = Path(path)
     part = target.with_name(f".{target.name}.part")
-    with open(part, "w") as f:
-        json.dump({"weights": weights}, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, target)
+    try:
+        with open(part, "w") as f:
+            json.dump({"weights": weights}, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)  # a write that failed part-way leaves nothing behind
