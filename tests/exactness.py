@@ -15,11 +15,10 @@ def first_divergence_is_a_near_tie(engine: Any, ids: list[int], got: list[int], 
     """True when the first step where ``got`` leaves ``ref`` is one where the monolithic top-two margin is under
     1e-4."""
     step = next(i for i, (a, b) in enumerate(zip(got, ref, strict=False)) if a != b)
-    out = engine.prefill(ids)
     if step == 0:
         row = engine._forward(ids, engine.new_cache(), start=0)
     else:
-        row = engine.continuation_logits(out.kv, ref[:step])[-1]
+        row = engine.continuation_logits(engine.prefill(ids).kv, ref[:step])[-1]
     top2 = torch.topk(row, 2).values
     return float(top2[0] - top2[1]) < NEAR_TIE
 

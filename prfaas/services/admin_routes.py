@@ -56,7 +56,7 @@ def install(app: FastAPI, router: Any) -> None:
             except OSError as exc:
                 message = f"the weights could not be kept in {router.config.pool_weights_file} ({exc}); nothing changed"
                 return JSONResponse(http.error_body(500, message, None), 500)
-        registry.pools.update(changed)
+        registry.pools = changed
         return await pools()
 
     @app.get("/admin/signals")
