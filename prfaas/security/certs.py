@@ -124,15 +124,17 @@ def revoked_list(directory: str | os.PathLike[str]) -> list[x509.RevokedCertific
 
 
 def _crl_time(root: Path) -> dt.datetime:
-    """Now, once the clock has passed the current list's ``lastUpdate`` by a second (waits up to a second): a peer
-    holding both lists checks against the one updated last, and a list dated in the future is not valid yet."""
-    now = _now()
+    """A ``lastUpdate`` for a new list: a second past the current list's (a peer holding both lists checks against
+    the one updated last), and a whole second in the past (OpenSSL compares at second resolution and takes a list
+    dated this very second as not valid yet, so the old list would stay in force meanwhile). Waits up to two
+    seconds."""
+    stamp = _now().replace(microsecond=0) - dt.timedelta(seconds=1)
     if (root / CRL).exists():
         after = x509.load_pem_x509_crl((root / CRL).read_bytes()).last_update_utc + dt.timedelta(seconds=1)
-        if now < after:
-            time.sleep((after - now).total_seconds())
-            now = _now()
-    return now.replace(microsecond=0)
+        if stamp < after:
+            time.sleep(max(0.0, (after + dt.timedelta(seconds=1) - _now()).total_seconds()))
+            stamp = after
+    return stamp
 
 
 def _crl_number(root: Path) -> int:
