@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz clean
+.PHONY: demo test lint typecheck unit bench fuzz clean vllm
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check prfaas tests benchmarks
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) vllm
 	$(BIN)/python -m pytest -q -x --durations=15
 
 test: lint unit
@@ -38,6 +38,14 @@ FUZZ_SECONDS ?= 60
 fuzz: $(STAMP)
 	$(BIN)/python -c "import atheris" 2>/dev/null || $(BIN)/pip install -q atheris
 	$(BIN)/python tests/security/fuzz_atheris.py -max_total_time=$(FUZZ_SECONDS) -rss_limit_mb=2048
+
+# vLLM's CPU build with prfaas's KV connector (prfaas/vllm/), in its own virtualenv: about 3.4 GB and 3-5 minutes
+# once. `make test` builds it; tests/vllm runs vLLM from it (and skips, saying so, where it is absent).
+VLLM_VENV := .venv-vllm
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: scripts/install-vllm.sh pyproject.toml
+	PY=$(PY) bash scripts/install-vllm.sh $(VLLM_VENV)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -1,0 +1,189 @@
+"""What a vLLM instance's KV blocks are, as prfaas sees them: the fingerprint, the layer table and whole-block
+copies between the paged cache and numpy.
+
+The unit is the whole block. vLLM hands a connector each layer's cache as a logical ``[blocks, kv_heads,
+block_size, content]`` view, but what lies inside a block depends on the attention backend: on CPU (ISA ``vec``,
+fp32) the first half of each (block, head) row block is K *transposed* and the second half V. Slicing per token
+reads the wrong bytes there; copying whole blocks is exact whatever the interior. So the blob carries, per layer,
+the request's blocks in sequence order, and the fingerprint names everything that fixes the interior — engine,
+platform, ISA, dtype, block size, KV heads, head size — so that a consumer with another layout refuses the blob
+(``KV_INCOMPATIBLE``) instead of reading garbage.
+
+Nothing in ``Fingerprint`` has a field for a layout, so it travels in ``arch`` (``<HF architecture>|<layout>``):
+prfaas's engine and vLLM instances, or two vLLM instances of different ISAs, never pair.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+import xxhash
+
+from prfaas.errors import InvalidRequest, KVIncompatible
+from prfaas.kv.fingerprint import Fingerprint
+from prfaas.kv.state import FULL_ATTENTION, SLIDING_ATTENTION
+
+CACHE = "vllm-paged-blocks"  # the blob header's ``cache``: whole paged blocks, one tensor per layer
+TENSOR = "blocks"
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "chat_template.jinja")
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2), torch.uint8: np.dtype(np.uint8),
+}
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One vLLM KV cache group: its layers share a block table and a block size."""
+
+    index: int
+    layers: tuple[str, ...]
+    block_size: int
+    kind: str
+    window: int | None
+    head_size: int
+    dtype: str
+    describe: str  # what fixes a block's bytes, for the fingerprint
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+
+def groups(kv_cache_config: Any) -> tuple[Group, ...]:
+    """The attention groups of ``kv_cache_config``; ``InvalidRequest`` for a state (Mamba, linear attention)
+    group, which this connector does not carry yet."""
+    found = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "block_size")):
+            raise InvalidRequest(f"PrfaasConnector carries attention KV only; group {index} is "
+                                 f"{type(spec).__name__}")
+        window = getattr(spec, "sliding_window", None)
+        kind = SLIDING_ATTENTION if window else FULL_ATTENTION
+        describe = (f"{type(spec).__name__}:b{spec.block_size}:kvh{spec.num_kv_heads}:hd{spec.head_size}:"
+                    f"{_dtype_name(spec.dtype)}" + (f":w{window}" if window else ""))
+        found.append(Group(index, tuple(group.layer_names), int(spec.block_size), kind,
+                           int(window) if window else None, int(spec.head_size), _dtype_name(spec.dtype), describe))
+    return tuple(found)
+
+
+def fingerprint(vllm_config: Any, kv_cache_config: Any) -> Fingerprint:
+    """This instance's fingerprint: the weights' and tokenizer's files, and the KV layout (module docstring)."""
+    model = vllm_config.model_config
+    path = Path(str(model.model))
+    tokenizer = Path(str(getattr(model, "tokenizer", None) or path))
+    arch = ",".join(getattr(model.hf_config, "architectures", None) or [str(model.hf_config.model_type)])
+    specs = groups(kv_cache_config)
+    return Fingerprint(model=str(model.served_model_name or model.model), arch=f"{arch}|{layout(specs)}",
+                       weights=files_digest(path, WEIGHT_FILES), tokenizer=files_digest(tokenizer, TOKENIZER_FILES),
+                       dtype=_dtype_name(kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype),
+                       max_seq_len=int(model.max_model_len))
+
+
+def block_bytes(kv_cache_config: Any, specs: tuple[Group, ...]) -> tuple[int, ...]:
+    """Bytes of one block across all of a group's layers, per group (what a blob carries per block)."""
+    pages = [int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups]
+    return tuple(pages[g.index] * len(g.layers) for g in specs)
+
+
+def write_info(path: str, fingerprint: Fingerprint, kv_cache_config: Any, specs: tuple[Group, ...]) -> None:
+    """What the prfaas instance beside this vLLM server advertises to its router (``info_file``): the fingerprint,
+    the KV bytes per token and the KV cache's size. Written whole, then renamed: a reader never sees half a file."""
+    per_token = sum(b / g.block_size for b, g in zip(block_bytes(kv_cache_config, specs), specs, strict=True))
+    info = {"fingerprint": fingerprint.to_wire(), "kv_bytes_per_token": math.ceil(per_token),
+            "kv_budget_bytes": sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)}
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    tmp.rename(path)
+
+
+def layout(specs: tuple[Group, ...]) -> str:
+    """``vllm/<platform>/<isa>/<group>;<group>…``: what fixes the bytes inside one block."""
+    from vllm.platforms import current_platform
+
+    platform = str(current_platform.device_type)
+    isa = ",".join(sorted({_cpu_isa(g) for g in specs})) if platform == "cpu" else platform
+    return f"vllm/{platform}/{isa}/" + ";".join(g.describe for g in specs)
+
+
+def _cpu_isa(group: Group) -> str:
+    """The CPU attention kernel's ISA, which decides the block interior (vec, vec16, amx, neon, …)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(getattr(torch, group.dtype), group.block_size, group.head_size))
+    except Exception as exc:  # a vLLM without that helper: refuse to pair with anything but the same answer
+        return f"unknown-{type(exc).__name__}"
+
+
+def files_digest(path: Path, patterns: tuple[str, ...]) -> str:
+    """xxHash64 over the names and bytes of ``path``'s files matching ``patterns`` (a model not on disk: its name)."""
+    digest = xxhash.xxh64()
+    files = sorted({f for p in patterns for f in path.glob(p) if f.is_file()}) if path.is_dir() else []
+    if not files:
+        digest.update(str(path).encode())
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def gather(kv_layer: torch.Tensor, block_ids: list[int]) -> np.ndarray:
+    """The whole blocks ``block_ids`` of one layer, in that order, as a host numpy array (exact bytes)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    return to_numpy(kv_layer.index_select(0, index))
+
+
+def scatter(kv_layer: torch.Tensor, block_ids: list[int], blocks: np.ndarray) -> None:
+    """Write ``blocks`` (whole blocks, in order) into ``kv_layer`` at ``block_ids``. ``KVIncompatible`` if their
+    shape or dtype is not this layer's."""
+    if tuple(blocks.shape[1:]) != tuple(kv_layer.shape[1:]) or blocks.dtype != _NUMPY_DTYPES.get(kv_layer.dtype):
+        raise KVIncompatible(f"KV blocks {blocks.dtype}{list(blocks.shape[1:])} do not fit this cache's "
+                             f"{_dtype_name(kv_layer.dtype)}{list(kv_layer.shape[1:])}")
+    if len(block_ids) > blocks.shape[0]:
+        raise KVIncompatible(f"the blob holds {blocks.shape[0]} blocks of this layer; {len(block_ids)} are needed")
+    source = from_numpy(np.ascontiguousarray(blocks[:len(block_ids)])).to(kv_layer.device)
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    kv_layer.index_copy_(0, index, source)
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor`` on the host as numpy with the same bytes and dtype (bfloat16 and fp8 through ml_dtypes)."""
+    host = tensor.detach().cpu().contiguous()
+    target = _NUMPY_DTYPES.get(host.dtype)
+    if target is None:
+        raise InvalidRequest(f"KV dtype {host.dtype} is not carried")
+    if host.dtype in (torch.float32, torch.float16, torch.uint8):
+        return host.numpy()
+    return host.view(_SAME_WIDTH[host.element_size()]).numpy().view(target)
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """The inverse of ``to_numpy`` (shares memory when it can)."""
+    torch_dtype = next((t for t, n in _NUMPY_DTYPES.items() if n == array.dtype), None)
+    if torch_dtype is None:
+        raise KVIncompatible(f"KV dtype {array.dtype} is not carried")
+    if not array.flags.writeable:  # torch wants writable memory; the copy is one layer's blocks
+        array = array.copy()
+    if torch_dtype in (torch.float32, torch.float16, torch.uint8):
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(np.dtype(f"i{array.dtype.itemsize}") if array.dtype.itemsize > 1
+                                       else np.uint8)).view(torch_dtype)

@@ -1,0 +1,229 @@
+"""A prefill or decode instance with vLLM as its engine (``prfaas serve prefill|decode --engine vllm``).
+
+The instance keeps prfaas's side unchanged — registration, heartbeats, drain, the router's internal protocol —
+and translates that protocol into vLLM's P/D requests to its child vLLM server (``prfaas.vllm.server``):
+
+- ``/prefill`` (router → prefill): vLLM ``/v1/completions`` with the prompt's token ids, ``max_tokens: 1`` and
+  ``kv_transfer_params {do_remote_decode, kv_id, relay}``: the router's ``kv_id``, and the relay it named
+  (``push_to``; none: the blob stays in the producer's own store, served on this instance's KV address). Once vLLM
+  answers, ``accepted`` (the router then dispatches decode) and ``done`` with vLLM's first token and the blob's KV
+  bytes; a failure before that is an ``error`` instead of ``accepted``, so the router falls back to local prefill.
+  Why not ``accepted`` at once, so that decode's pull overlaps the prefill as on prfaas's engine: a vLLM request
+  waiting for remote KV keeps its engine loop stepping every millisecond, and on shared cores that starved the
+  producer's prefill (341 tokens took 26 s instead of about 1 s); in relay mode the pull still overlaps the push.
+- ``/generate`` (router → decode): vLLM streaming ``/v1/completions`` with the token ids and, on the remote
+  route, ``kv_transfer_params {do_remote_prefill, kv_id, kv_address}``; each generated token id becomes a
+  ``token`` event (``return_token_ids``), then ``done``. The connector restores the KV, releases the blob, and
+  recomputes the prompt itself if the KV cannot be had (``kv_load_failure_policy: recompute``).
+- ``/tokenize``: vLLM's ``/tokenize`` (the chat template, the same tokenizer as the weights).
+
+Load for the heartbeat comes from vLLM's ``/metrics``; the fingerprint from the connector (weights, tokenizer and
+KV layout), so the router never pairs a vLLM instance with a prfaas-engine one (``KV_INCOMPATIBLE`` at
+registration). Tenants' codec and TTL overrides are not applied on this engine (the connector's settings are).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from prfaas.config import Config
+from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError
+from prfaas.messages import GenerateRequest, PrefillRequest, SamplingParams
+from prfaas.services.instance import Instance
+from prfaas.vllm.server import LaunchSpec, VllmServer, free_port, resolve_model, vllm_python
+
+CREATION_GRACE_S = 5.0  # relay mode: the push that creates the blob may be a moment behind vLLM's answer
+TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
+
+
+def start(instance: Instance) -> VllmPrefill | VllmDecode:
+    """Start this instance's vLLM server (bounded), fill in what the instance advertises, and return the role's
+    service; the server is stopped when the instance closes (or here, if anything fails)."""
+    options, config = instance.options, instance.config
+    vllm_python()  # a missing vLLM says so first, before the model is resolved
+    model_dir, dtype = resolve_model(options.model, options.dtype)
+    extra = _connector_settings(config)
+    if options.role == "prefill":
+        bound = f"{options.host}:{options.kv_port or free_port(options.host)}"
+        extra.update(kv_address=bound, relay_from_request=True)
+        instance.kv_address = options.advertise_kv or bound
+    else:
+        extra.update(creation_grace_s=CREATION_GRACE_S)
+    server = VllmServer(LaunchSpec(model_dir, options.model, dtype,
+                                   "kv_producer" if options.role == "prefill" else "kv_consumer", extra),
+                        on_death=instance.fail)
+    instance.closers.append(server.stop)
+    server.start()
+    instance.fingerprint = dict(server.info["fingerprint"])
+    instance.model, instance.max_seq_len = options.model, server.max_model_len
+    service = VllmPrefill if options.role == "prefill" else VllmDecode
+    return service(server, config)
+
+
+def _connector_settings(config: Config) -> dict[str, Any]:
+    """The connector's settings from prfaas's config (the data plane's codec, chunks, timeouts, retries, TLS)."""
+    extra: dict[str, Any] = {"codec": config.kv_codec, "chunk_kb": config.chunk_size_kb,
+                             "store_budget_mb": config.store_budget_mb, "kv_ttl_s": config.kv_ttl_seconds,
+                             "kv_transfer_timeout_s": max(2.0, config.kv_transfer_timeout_ms / 1e3),
+                             "retries": config.kv_retry_budget}
+    tls = config.tls
+    if tls.ca or tls.cert:
+        extra["tls"] = {"ca": tls.ca, "cert": tls.cert, "key": tls.key, "required": tls.required, "crl": tls.crl}
+    return extra
+
+
+class _VllmService:
+    def __init__(self, server: VllmServer, config: Config) -> None:
+        self.server = server
+        self.config = config
+        self.client = httpx.AsyncClient(base_url=server.url, timeout=TIMEOUT)
+
+    def _body(self, token_ids: list[int], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
+        return {"model": self.server.spec.served_name, "prompt": token_ids, "max_tokens": max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": sampling.seed,
+                "return_token_ids": True}
+
+    def _kv_budget(self) -> int:
+        return int(self.server.info.get("kv_budget_bytes", 0))
+
+    def load(self) -> dict[str, int]:
+        load, budget = self.server.load, self._kv_budget()
+        return {"queue_depth": load.waiting + load.running,
+                "free_kv_bytes": max(0, int(budget * (1.0 - load.kv_usage)))}
+
+
+class VllmPrefill(_VllmService):
+    """The prefill role on vLLM: its connector owns the blob from the first saved layer (own store or push)."""
+
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[dict[str, Any]]:
+        """``accepted``, then ``done`` (first token, KV bytes) or ``error``."""
+        arrived = time.perf_counter()
+        try:
+            self._check(request)
+            params = {"do_remote_decode": True, "kv_id": request.kv_id}
+            if request.push_to:
+                params["relay"] = request.push_to
+            body = {**self._body(request.token_ids, request.sampling_params(), 1), "kv_transfer_params": params}
+            done = self._done(request, _answer(await self.client.post("/v1/completions", json=body)),
+                              time.perf_counter() - arrived)
+            yield {"event": "accepted"}
+            yield done
+        except PrfaasError as exc:
+            yield {"event": "error", **exc.to_wire()}
+        except httpx.HTTPError as exc:
+            yield {"event": "error", **KVUnavailable(f"vLLM did not answer: {exc!r}").to_wire()}
+
+    def _check(self, request: PrefillRequest) -> None:
+        if len(request.token_ids) >= self.server.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(request.token_ids)} tokens; this vLLM server's context is "
+                                 f"{self.server.max_model_len}")
+
+    def _done(self, request: PrefillRequest, answer: dict[str, Any], seconds: float) -> dict[str, Any]:
+        params = answer.get("kv_transfer_params") or {}
+        if params.get("kv_id") != request.kv_id:
+            raise KVUnavailable("vLLM did not save the prompt's KV (see the prefill instance's log)")
+        kv_bytes = int(params.get("kv_bytes", 0))
+        return {"event": "done", "first_token": int(answer["choices"][0]["token_ids"][0]), "kv_bytes": kv_bytes,
+                "chunks": math.ceil(kv_bytes / self.config.chunk_bytes), "prefill_ms": seconds * 1e3,
+                "queue_ms": 0.0}
+
+
+class VllmDecode(_VllmService):
+    """The decode role on vLLM: vLLM's connector pulls, verifies, restores and releases the KV."""
+
+    def load(self) -> dict[str, int]:
+        """vLLM's queue and free KV cache, and the sizes the router's placement reserves by."""
+        return {**super().load(), "kv_budget_bytes": self._kv_budget(),
+                "kv_bytes_per_token": int(self.server.info.get("kv_bytes_per_token", 0)), "kv_fixed_bytes": 0}
+
+    async def tokenize(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [int(t) for t in prompt]
+        if "messages" in body:
+            ask: dict[str, Any] = {"messages": body["messages"], "add_generation_prompt": True}
+        elif isinstance(prompt, str):
+            ask = {"prompt": prompt, "add_special_tokens": False}
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids")
+        answer = _answer(await self.client.post("/tokenize", json={"model": self.server.spec.served_name, **ask}))
+        return [int(t) for t in answer["tokens"]]
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+        """``token`` events (one per token id, the chunk's text on its last), then ``done``; or ``error``."""
+        body = {**self._body(request.token_ids, request.sampling_params(), request.max_tokens), "stream": True,
+                "stop": request.stop, "ignore_eos": request.ignore_eos}
+        if request.kv_id:
+            body["kv_transfer_params"] = {"do_remote_prefill": True, "kv_id": request.kv_id,
+                                          "kv_address": request.kv_address}
+        try:
+            async for event in self._stream(body):
+                yield event
+        except PrfaasError as exc:
+            yield {"event": "error", **exc.to_wire()}
+        except httpx.HTTPError as exc:
+            yield {"event": "error", **KVUnavailable(f"vLLM did not answer: {exc!r}").to_wire()}
+
+    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        count, rest, reason, started = 0, "", "length", time.perf_counter()
+        async with self.client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                _answer(reply)
+            async for choice in _choices(reply):
+                ids, text = list(choice.get("token_ids") or ()), str(choice.get("text") or "")
+                for i, token in enumerate(ids):
+                    event: dict[str, Any] = {"event": "token", "token": int(token),
+                                             "text": text if i == len(ids) - 1 else ""}
+                    if count == 0:
+                        event["stages"] = {"decode_ms": (time.perf_counter() - started) * 1e3}
+                    count += 1
+                    yield event
+                rest += "" if ids else text
+                reason = _finish(choice.get("finish_reason")) or reason
+        yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": rest}
+
+
+async def _choices(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The first choice of each server-sent chunk of a vLLM stream, up to ``[DONE]``."""
+    async for line in reply.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            return
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            raise KVUnavailable(f"vLLM failed mid-stream: {_message(chunk)}")
+        if chunk.get("choices"):
+            yield chunk["choices"][0]
+
+
+def _finish(reason: Any) -> str | None:
+    if reason in (None, "stop", "length"):
+        return reason
+    raise KVUnavailable(f"vLLM ended the request: {reason}")
+
+
+def _answer(reply: httpx.Response) -> dict[str, Any]:
+    """vLLM's JSON answer; its refusal mapped to prfaas's errors (a 4xx: the request's fault)."""
+    try:
+        body = reply.json()
+    except ValueError:
+        body = {}
+    if reply.status_code == 200 and isinstance(body, dict):
+        return body
+    message = f"vLLM answered HTTP {reply.status_code}: {_message(body)}"
+    raise InvalidRequest(message) if 400 <= reply.status_code < 500 else KVUnavailable(message)
+
+
+def _message(body: Any) -> str:
+    if not isinstance(body, dict):
+        return str(body)[:300]
+    error = body.get("error")
+    return str(error.get("message") if isinstance(error, dict) else error or body.get("message", ""))[:300]

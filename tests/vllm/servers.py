@@ -1,0 +1,96 @@
+"""Real vLLM servers for tests and benchmarks: vLLM's CPU build from ``.venv-vllm`` (``make vllm``) serving
+SmolLM2-135M fp32 through ``prfaas.vllm.launch``, each in its own process group so that stopping it leaves
+nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from tests.services.deploy import descendants, free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = ROOT / ".venv-vllm"
+INSTALLED = (VENV / ".installed").exists()
+START_S = 240.0  # two servers started together on 2 cores: about 50-90 s
+MODEL = "smollm2"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: IO[bytes]
+
+    def text(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")
+
+    def tail(self) -> str:
+        return self.text()[-4000:]
+
+
+def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None) -> Server:
+    """``prfaas.vllm.launch serve`` on a free port, with ``PrfaasConnector`` as ``role`` (None: plain vLLM)."""
+    port = free_port()
+    config = {"kv_connector": "PrfaasConnector", "kv_connector_module_path": "prfaas.vllm.connector",
+              "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra or {}}
+    cmd = [str(VENV / "bin" / "python"), "-m", "prfaas.vllm.launch", "serve", str(model_dir),
+           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
+           *(["--kv-transfer-config", json.dumps(config)] if role else [])]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in _stop)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_healthy(servers: list[Server]) -> None:
+    deadline = time.monotonic() + START_S
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            assert server.proc.poll() is None, f"vLLM exited during start-up:\n{server.tail()}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                    waiting.remove(server)
+        assert time.monotonic() < deadline, f"vLLM not healthy in {START_S} s:\n{waiting[0].tail()}"
+        time.sleep(1)
+
+
+def stop(server: Server) -> list[int]:
+    """SIGTERM to the server's process group, SIGKILL after 30 s; returns the processes still alive after."""
+    children = descendants(server.proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGTERM)
+    try:
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    server.log.close()
+    return left
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,185 @@
+"""``prfaas up --engine vllm``: a whole deployment whose prefill and decode instances each run a real vLLM server
+(the CPU build in ``.venv-vllm``, SmolLM2-135M fp32) as their engine, driven through prfaas's router.
+
+One deployment per mode (relay, direct), every prompt over the offload threshold (0):
+- completions and chat, streaming and not, greedy, take the remote route: ``prfaas.route == "remote"`` with the
+  blob's ``kv_bytes > 0``, and the decode vLLM's metrics count the prompts as ``external_kv_transfer`` (all but
+  the last token of each), not recomputed;
+- then the prefill instance is drained through the router (``POST /admin/drain/prefill-0``): it exits with its
+  vLLM server (no process of it left), and the same four requests take the local route (decode's vLLM prefills
+  them itself) and give the same text, token for token;
+- the decode instance's vLLM server killed (a crash): the instance stops, exits non-zero (``prfaas up`` says it
+  restarts it) and nothing of the dead server is left;
+- at the end ``prfaas up`` stops and leaves no process behind (``tests.services.deploy``).
+
+Skips only where vLLM's CPU build is not installed (``make vllm``). About 2 minutes per mode on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.services.deploy import deployment, descendants
+from tests.vllm.servers import INSTALLED
+
+REQUEST_S = 120.0
+DRAIN_S = 90.0
+PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(30))  # about 350 tokens: 3 blocks
+MESSAGES = [{"role": "user", "content": "Count from 1 to 40, one number per line: " + PROMPT}]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not INSTALLED,
+                       reason="vLLM's CPU build is not installed here: run `make vllm` (scripts/install-vllm.sh)"),
+]
+
+
+@pytest.fixture(scope="module", params=["relay", "direct"])
+def up(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
+    with deployment("smollm2-135m", request.param, threshold=0,
+                    extra=("--engine", "vllm", "--dtype", "float32")) as (url, proc):
+        yield url, proc
+
+
+def _body(chat: bool, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "smollm2-135m", "max_tokens": 20, "temperature": 0, "stream": stream}
+    return {**body, "messages": MESSAGES} if chat else {**body, "prompt": PROMPT}
+
+
+def _ask(url: str, chat: bool, stream: bool) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(text, the ``prfaas`` field, usage) of one request through the router."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {**_body(chat, stream), **({"stream_options": {"include_usage": True}} if stream else {})}
+    if not stream:
+        reply = httpx.post(url + path, json=body, timeout=REQUEST_S)
+        assert reply.status_code == 200, reply.text
+        data = reply.json()
+        choice = data["choices"][0]
+        return (choice["message"]["content"] if chat else choice["text"]), data["prfaas"], data["usage"]
+    text, extension, usage = "", {}, {}
+    with httpx.stream("POST", url + path, json=body, timeout=REQUEST_S) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            for choice in chunk.get("choices", []):
+                text += (choice.get("delta", {}).get("content") if chat else choice.get("text")) or ""
+            extension, usage = chunk.get("prfaas", extension), chunk.get("usage") or usage
+    return text, extension, usage
+
+
+KINDS = [(chat, stream) for chat in (False, True) for stream in (False, True)]
+
+
+def _processes(proc: Any) -> Iterator[tuple[int, list[str]]]:
+    """(pid, command line) of each of ``prfaas up``'s descendants."""
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                yield pid, f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+
+
+def _vllm_server(proc: Any, kv_role: str) -> tuple[int, int] | None:
+    """(pid, port) of the vLLM server in ``kv_role`` (None: none running)."""
+    for pid, args in _processes(proc):
+        if "prfaas.vllm.launch" in args and any(kv_role in a for a in args):
+            return pid, int(args[args.index("--port") + 1])
+    return None
+
+
+def _vllm_port(proc: Any, kv_role: str) -> int | None:
+    server = _vllm_server(proc, kv_role)
+    return server[1] if server else None
+
+
+def _instance(proc: Any, role: str) -> int | None:
+    """The pid of ``prfaas serve ROLE``."""
+    return next((pid for pid, args in _processes(proc) if args[2:5] == ["prfaas", "serve", role]), None)
+
+
+def _prompt_sources(port: int) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            found[line.split('source="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _drain_prefill(url: str, proc: Any) -> None:
+    reply = httpx.post(f"{url}/admin/drain/prefill-0", timeout=30)
+    assert reply.status_code == 200, reply.text
+    deadline = time.monotonic() + DRAIN_S
+    while _vllm_port(proc, "kv_producer") is not None:
+        assert time.monotonic() < deadline, "the drained prefill instance left its vLLM server running"
+        time.sleep(0.5)
+
+
+def test_remote_route_equals_local_route(up: tuple[str, Any]) -> None:
+    url, proc = up
+    decode_port = _vllm_port(proc, "kv_consumer")
+    assert decode_port is not None
+    before = _prompt_sources(decode_port)
+    remote, expected_external = {}, 0.0
+    for chat, stream in KINDS:
+        text, extension, usage = _ask(url, chat, stream)
+        assert extension["route"] == "remote" and not extension["fallback"], extension
+        assert extension["kv_bytes"] > 0, extension
+        assert text, (chat, stream)
+        remote[(chat, stream)] = text
+        expected_external += usage["prompt_tokens"] - 1  # decode computes only the last prompt token
+    after = _prompt_sources(decode_port)
+    assert after["external_kv_transfer"] - before.get("external_kv_transfer", 0.0) == expected_external, after
+
+    _drain_prefill(url, proc)
+    for chat, stream in KINDS:
+        text, extension, _ = _ask(url, chat, stream)
+        assert extension["route"] == "local", extension
+        assert text == remote[(chat, stream)], (chat, stream)
+    assert _prompt_sources(decode_port)["external_kv_transfer"] == after["external_kv_transfer"]
+
+
+def _line_saying(proc: Any, text: str, timeout_s: float) -> str:
+    """The first line of ``prfaas up``'s stdout (its supervisor's decisions) holding ``text``."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if text in line:
+                return str(line)
+    raise AssertionError(f"prfaas up never said {text!r} in {timeout_s} s: {seen}")
+
+
+def test_a_dead_vllm_server_stops_its_instance(up: tuple[str, Any]) -> None:
+    _, proc = up
+    instance, server = _instance(proc, "decode"), _vllm_server(proc, "kv_consumer")
+    assert instance is not None and server is not None
+    engine = descendants(instance)
+    os.kill(server[0], signal.SIGKILL)
+    line = _line_saying(proc, "decode decode-0 exited with code 1", DRAIN_S)
+    assert "restarting" in line, line
+    deadline = time.monotonic() + 15
+    while left := [p for p in engine if _alive(p)]:
+        assert time.monotonic() < deadline, f"the dead vLLM server left processes behind: {left}"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
