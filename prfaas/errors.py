@@ -13,6 +13,7 @@
     ├── KVStoreFull                  KV_STORE_FULL    503   yes (after back-off)
     ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
     ├── RateLimited                  RATE_LIMITED     429   yes (after Retry-After)
+    ├── RequestTimeout               REQUEST_TIMEOUT  408   no   (an HTTP request head or body too slow to arrive)
     ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
     └── LabUnavailable               LAB_UNAVAILABLE  500   no   (no root, namespaces or tools for prfaas lab)
 
@@ -112,9 +113,22 @@ class RateLimited(PrfaasError):
         self.retry_after_s = retry_after_s
 
 
+class RequestTimeout(PrfaasError):
+    """An HTTP request's head or body did not arrive within its read timeout (``prfaas.security.readtimeout``)."""
+
+    code = "REQUEST_TIMEOUT"
+    http_status = 408
+
+
 class InvalidRequest(PrfaasError):
+    """``param``: the request field at fault, where one is (the OpenAI error body's ``param``)."""
+
     code = "INVALID_REQUEST"
     http_status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class PromptRefused(PrfaasError):
@@ -134,7 +148,8 @@ _BY_CODE: dict[str, type[PrfaasError]] = {
     cls.code: cls
     for cls in (
         KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
-        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, InvalidRequest, PromptRefused,
+        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, RequestTimeout, InvalidRequest,
+        PromptRefused,
     )
 }
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
+from prfaas import fields as check
 from prfaas.errors import InvalidRequest
 
 T = TypeVar("T", bound="Message")
@@ -27,20 +28,34 @@ class Message:
             raise InvalidRequest(f"bad {cls.__name__}: {exc}") from exc
 
 
+# The one set of sampling rules: the OpenAI parser and the internal /prefill and /generate bodies all build a
+# SamplingParams, so a value refused at the router is refused the same by an instance, whoever sent it.
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 1e-3  # (0, this) is refused: it is argmax in all but exact ties; send 0 for greedy
+MIN_TOP_P = 1e-9
+SEED_BITS = 63
+MAX_STOP = 4
+MAX_TOKENS = 1 << 20  # above any context prfaas serves; the router also bounds it by the model's context
+
+
 @dataclass(frozen=True)
 class SamplingParams(Message):
     """temperature 0 is greedy; otherwise each step samples with a generator seeded by (seed, step), so prefill
-    and decode on different hosts draw the same stream for the same request."""
+    and decode on different hosts draw the same stream for the same request. ``InvalidRequest`` (400) for a value
+    the sampler cannot serve: not a finite number, out of range, a temperature in (0, ``MIN_TEMPERATURE``)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.temperature <= 5.0:
-            raise InvalidRequest("temperature must be within [0, 5]")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest("top_p must be within (0, 1]")
+        temperature = check.number(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise InvalidRequest(f"'temperature' must be 0 (greedy) or within [{MIN_TEMPERATURE:g}, "
+                                 f"{MAX_TEMPERATURE:g}], not {temperature!r}", "temperature")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", check.number(self.top_p, "top_p", MIN_TOP_P, 1.0))
+        check.integer(self.seed, "seed", -(1 << SEED_BITS), (1 << SEED_BITS) - 1)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +83,20 @@ class InstanceInfo(Message):
     draining: bool = False  # finishing what it holds: placement gives it nothing new (prfaas.services.drain)
     config_hash: str = ""  # Config.fingerprint() of the instance's config, compared by `prfaas admin check`
 
+    def __post_init__(self) -> None:
+        """A heartbeat's fields have their JSON types, or ``InvalidRequest`` (400): the registry, the scheduler and
+        the metrics use them as numbers, flags and text."""
+        for name in ("instance_id", "role", "url", "kv_address", "datacenter", "model", "config_hash"):
+            check.text(getattr(self, name), name)
+        for name in ("max_seq_len", "queue_depth"):
+            check.integer(getattr(self, name), name, 0, 1 << 62)
+        for name in ("free_kv_bytes", "kv_budget_bytes", "kv_bytes_per_token", "kv_fixed_bytes"):
+            check.integer(getattr(self, name), name, -(1 << 62), 1 << 62)
+        check.boolean(self.ready, "ready")
+        check.boolean(self.draining, "draining")
+        if not isinstance(self.fingerprint, dict):
+            raise InvalidRequest("'fingerprint' must be a JSON object", "fingerprint")
+
     def kv_bytes(self, tokens: int) -> int:
         """Expected KV bytes of a sequence of ``tokens`` on this instance (an upper bound for windowed layers)."""
         return self.kv_fixed_bytes + self.kv_bytes_per_token * tokens
@@ -89,6 +118,18 @@ class PrefillRequest(Message):
     kv_codec: str = ""  # the tenant's codec override; "" = the prefill's kv_codec
     kv_ttl_seconds: float = 0.0  # the tenant's TTL override for the blob; 0 = the store's
 
+    def __post_init__(self) -> None:
+        for name in ("request_id", "kv_id", "push_to", "tenant", "kv_codec"):
+            check.text(getattr(self, name), name)
+        check.token_ids(self.token_ids, "token_ids")
+        self.sampling_params()
+        check.integer(self.deadline_ms, "deadline_ms", 0, 1 << 62)
+        check.integer(self.format_version, "format_version", 0, 1 << 16)
+        check.number(self.kv_ttl_seconds, "kv_ttl_seconds", 0.0, float(1 << 32))
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_json(self.sampling)
+
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
@@ -104,3 +145,17 @@ class GenerateRequest(Message):
     deadline_ms: int = 0
     step_offset: int = 0  # tokens already streamed by an instance that died: sampling continues at this step
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+
+    def __post_init__(self) -> None:
+        for name in ("request_id", "kv_id", "kv_address"):
+            check.text(getattr(self, name), name)
+        check.token_ids(self.token_ids, "token_ids")
+        check.integer(self.max_tokens, "max_tokens", 1, MAX_TOKENS)
+        self.sampling_params()
+        check.strings(self.stop, "stop", MAX_STOP)
+        check.integer(self.deadline_ms, "deadline_ms", 0, 1 << 62)
+        check.integer(self.step_offset, "step_offset", 0, MAX_TOKENS)
+        check.boolean(self.ignore_eos, "ignore_eos")
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.from_json(self.sampling)

@@ -21,7 +21,9 @@ class CircuitBreaker:
     breaker opens for ``cooldown_s``; then one probe request is let through (half-open): its success closes the
     breaker, its failure opens it again. A probe whose outcome never comes (the caller let it through, then sent
     the request elsewhere, e.g. local because the link was degraded) expires after ``cooldown_s`` and the next
-    caller probes: a half-open breaker never waits forever."""
+    caller probes: a half-open breaker never waits forever. ``failure`` is for the instance's own faults only
+    (unreachable, broken stream, a server-side error code); an instance that refuses a bad request answered
+    correctly, and its caller reports ``success`` (``prfaas.services.dispatch``)."""
 
     def __init__(self, threshold: int = 3, cooldown_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
         self.threshold = threshold

@@ -1,7 +1,9 @@
 """Public API keys on the router (``Authorization: Bearer <key>``) and the start-up exposure check.
 
 Config: ``api_keys`` is a list whose items are either a key string (named ``key-<n>``) or a mapping
-``{name, key, rate_limit_qps, tenant}``. A key's ``tenant`` (default ``default``) is whose requests it makes: the
+``{name, key, rate_limit_qps, tenant, roles}``. ``roles`` (instance roles: prefill, decode, relay) are the roles an
+instance holding the key may register as on the router's ``/internal/*`` when it has no certificate
+(``prfaas.security.registration``). A key's ``tenant`` (default ``default``) is whose requests it makes: the
 guard puts it in the request's ``state`` for the router (``prfaas.tenancy``). Keys are compared in constant time
 (``hmac.compare_digest``, against every key, so the time does not say which one came close); only key *names* ever
 reach logs, metrics or responses. Each key may carry its own token-bucket rate limit (429 with ``Retry-After``).
@@ -25,10 +27,12 @@ from prfaas.config import Config
 from prfaas.errors import InvalidRequest
 from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import tls
+from prfaas.security.policy import PERMISSIONS
 from prfaas.tenancy.policy import DEFAULT_TENANT, parse_policy
 
 log = logging.getLogger("prfaas.security")
 PROTECTED = ("/v1/", "/admin/")
+INSTANCE_ROLES = PERMISSIONS["register"]  # the roles that register with the router
 
 
 @dataclass
@@ -37,6 +41,7 @@ class ApiKey:
     secret: bytes = field(repr=False)
     bucket: TokenBucket | None = None
     tenant: str = DEFAULT_TENANT
+    roles: frozenset[str] | None = None  # instance roles it may register as; None: not given (see registration)
 
     def __repr__(self) -> str:  # never print the secret
         return f"ApiKey(name={self.name!r})"
@@ -47,8 +52,8 @@ def parse_keys(items: Sequence[Any]) -> list[ApiKey]:
     keys: list[ApiKey] = []
     for n, item in enumerate(items):
         spec = {"key": item} if isinstance(item, str) else dict(item) if isinstance(item, dict) else None
-        if spec is None or set(spec) - {"name", "key", "rate_limit_qps", "tenant"}:
-            raise InvalidRequest(f"api_keys[{n}]: a key string or {{name, key, rate_limit_qps, tenant}}")
+        if spec is None or set(spec) - {"name", "key", "rate_limit_qps", "tenant", "roles"}:
+            raise InvalidRequest(f"api_keys[{n}]: a key string or {{name, key, rate_limit_qps, tenant, roles}}")
         secret, name, qps = str(spec.get("key") or ""), str(spec.get("name") or f"key-{n}"), spec.get("rate_limit_qps")
         if len(secret) < 16:
             raise InvalidRequest(f"api_keys[{n}] ({name}): keys must be at least 16 characters")
@@ -56,8 +61,19 @@ def parse_keys(items: Sequence[Any]) -> list[ApiKey]:
             raise InvalidRequest(f"api_keys[{n}] ({name}): duplicate key or name")
         tenant = str(spec.get("tenant") or DEFAULT_TENANT)
         parse_policy(tenant, {})  # a valid tenant name
-        keys.append(ApiKey(name, secret.encode(), TokenBucket(float(qps)) if qps else None, tenant))
+        keys.append(ApiKey(name, secret.encode(), TokenBucket(float(qps)) if qps else None, tenant,
+                           _roles(spec.get("roles"), f"api_keys[{n}] ({name})")))
     return keys
+
+
+def _roles(value: Any, where: str) -> frozenset[str] | None:
+    """A key's ``roles``: a list of instance roles (``InvalidRequest`` for anything else); None when absent."""
+    if value is None:
+        return None
+    roles = [value] if isinstance(value, str) else value
+    if not isinstance(roles, list) or not set(roles) <= INSTANCE_ROLES:
+        raise InvalidRequest(f"{where}.roles: a list of {', '.join(sorted(INSTANCE_ROLES))}")
+    return frozenset(roles)
 
 
 def match(keys: Sequence[ApiKey], presented: bytes) -> ApiKey | None:

@@ -61,7 +61,9 @@ class PeerH11Protocol(H11Protocol):
         super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._connected:  # the peer left during our handshake: uvicorn never saw the connection
+        if not self._connected:  # the peer left, or a read timeout closed it, during our handshake: uvicorn
+            if self._handshake is not None:  # never saw the connection; the first-byte wait must not hold it
+                self._handshake.cancel()
             return
         if self.client:
             PEERS.pop((str(self.client[0]), int(self.client[1])), None)

@@ -13,12 +13,16 @@ Every parser checks a length read from the wire against these before it allocate
 | max_stride          | 64       | a striped Get's stride                             | ``KV_BAD_FORMAT`` |
 | max_body_bytes      | 16 MiB   | an HTTP request body (``BodyLimit``)               | HTTP 413          |
 | max_header_bytes    | 16 KiB   | an HTTP request head buffered incomplete (h11)     | HTTP 400          |
+| max_json_depth      | 64       | nesting of an HTTP request's JSON (``jsonbody``)   | HTTP 400          |
+| header_timeout_ms   | 10 s     | an HTTP request head: connect (or its first byte) to its end | HTTP 408, closed |
+| body_timeout_ms     | 30 s     | an HTTP request body: its head's end to its own end | HTTP 408, closed |
 
 The defaults are the constants prfaas used before they became configurable (``max_header_bytes`` is h11's own
-default; ``max_body_bytes`` is new: an HTTP body had no limit). A process reads its limits once at start
-(``configure``, called by ``runtime.configure``; the HTTP server reads ``max_header_bytes`` when it starts);
-parsers read them with ``current()``. One process runs one role, so one setting per process is enough. A bad
-value is refused when the config is built (``InvalidRequest`` naming the key).
+default; ``max_body_bytes`` is new: an HTTP body had no limit; the two HTTP timeouts are new: a peer that trickled a
+head or a body byte by byte held its connection open for ever). A process reads its limits once at start
+(``configure``, called by ``runtime.configure``; the HTTP server reads ``max_header_bytes`` and the timeouts when it
+starts, ``prfaas.security.readtimeout``); parsers read them with ``current()``. One process runs one role, so one
+setting per process is enough. A bad value is refused when the config is built (``InvalidRequest`` naming the key).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class WireLimits:
     max_stride: int = 64
     max_body_bytes: int = 16 * MIB
     max_header_bytes: int = 16 * KIB
+    max_json_depth: int = 64
+    header_timeout_ms: int = 10_000
+    body_timeout_ms: int = 30_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -58,6 +65,9 @@ class WireLimits:
             (self.max_stride <= 1024, "limits.max_stride must be within 1–1024"),
             (self.max_body_bytes >= 1 * KIB, "limits.max_body_bytes must be at least 1024"),
             (self.max_header_bytes >= 1 * KIB, "limits.max_header_bytes must be at least 1024"),
+            (4 <= self.max_json_depth <= 512, "limits.max_json_depth must be within 4–512"),
+            (self.header_timeout_ms >= 100, "limits.header_timeout_ms must be at least 100"),
+            (self.body_timeout_ms >= 100, "limits.body_timeout_ms must be at least 100"),
         ]
         for ok, message in checks:
             if not ok:

@@ -8,6 +8,9 @@
 | kv.stat    | data plane Stat (health and leak checks)              | router, decode, prefill, relay |
 | assign     | instance /prefill, /generate, /tokenize               | router                   |
 | register   | router /internal/heartbeat, /internal/deregister      | prefill, decode, relay   |
+
+``register`` only admits the role; which role and instance id a registration may claim is bound to the
+certificate (or API key) by ``prfaas.security.registration``.
 | inspect    | instance /stats, /debug/store, /health, /metrics      | any role                 |
 """
 

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS
 from prfaas.services import drain as drain_module
-from prfaas.services import http, pool_weights
+from prfaas.services import http, jsonbody, pool_weights
 from prfaas.services.registry import pool_of
 
 
@@ -45,7 +45,7 @@ def install(app: FastAPI, router: Any) -> None:
 
     @app.post("/admin/pools")
     async def set_pools(request: Request) -> Any:
-        weights = (await request.json()).get("weights", {})
+        weights = (await jsonbody.read_object(request)).get("weights", {})
         if not isinstance(weights, dict) or not all(isinstance(w, (int, float)) and w >= 0
                                                     for w in weights.values()):
             return JSONResponse(http.error_body(400, "weights must map names to numbers ≥ 0", None), 400)

@@ -26,6 +26,23 @@ log = logging.getLogger("prfaas.batcher")
 Prepared = tuple[Any, int, int, dict[str, float]]  # cache, first token, length, stage timings
 
 
+class Counter:
+    """An integer changed from two threads (the event loop submits, the engine thread takes): ``+=`` on a plain
+    attribute is a read-modify-write that can lose an update, so every change holds a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def add(self, delta: int) -> None:
+        with self._lock:
+            self._value += delta
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+
 @dataclass
 class Sequence:
     """One request in the engine loop. ``prepare`` runs on the engine thread and yields ``None`` between the
@@ -53,13 +70,17 @@ class Batcher:
         self._waiting: queue.Queue[Sequence | None] = queue.Queue()
         self._preparing: tuple[Sequence, Iterator[Prepared | None]] | None = None
         self._running: dict[str, Sequence] = {}
-        self.waiting = 0
+        self._waiting_count = Counter()
         self._thread = threading.Thread(target=self._run, name="prfaas-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, seq: Sequence) -> None:
-        self.waiting += 1
+        self._waiting_count.add(1)
         self._waiting.put(seq)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting_count.value
 
     @property
     def queue_depth(self) -> int:
@@ -86,7 +107,7 @@ class Batcher:
                 return True
             if seq is None:
                 return False
-            self.waiting -= 1
+            self._waiting_count.add(-1)
             self._preparing = (seq, seq.prepare())
         if self._preparing is not None:
             self._prepare_one_chunk(*self._preparing)
@@ -160,13 +181,17 @@ class PrefillScheduler:
         self._short: list[PrefillJob] = []
         self._long: list[PrefillJob] = []
         self._chunks: tuple[PrefillJob, Iterator[Any]] | None = None
-        self.queue_depth = 0
+        self._depth = Counter()
         self._thread = threading.Thread(target=self._run, name="prfaas-prefill", daemon=True)
         self._thread.start()
 
     def submit(self, job: PrefillJob) -> None:
-        self.queue_depth += 1
+        self._depth.add(1)
         self._queue.put(job)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._depth.value
 
     def close(self) -> None:
         self._queue.put(None)
@@ -247,7 +272,7 @@ class PrefillScheduler:
             self._done(job, token, seconds, None)
 
     def _done(self, job: PrefillJob, token: int | None, seconds: float, error: BaseException | None) -> None:
-        self.queue_depth -= 1
+        self._depth.add(-1)
         if error is not None and not isinstance(error, PrfaasError):
             log.error("prefill failed: %s", error)
         job.finish(token, seconds, error)

@@ -15,6 +15,8 @@ HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU or GPU "
                      "computes it natively, else float32); every role of a deployment needs the same")
+ENGINE = typer.Option("prfaas", "--engine", help="prfaas (the embedded engine) | vllm (a vLLM server as this "
+                      "instance's engine, from .venv-vllm: `make vllm`; docs/vllm.md)")
 
 
 def _config(path: str | None, threshold: int | None, datacenter: str | None = None) -> Config:
@@ -39,13 +41,13 @@ def router(host: str = HOST, port: int = typer.Option(8000, "--port"),
 
 def _instance(role: str, router_url: str, instance_id: str, datacenter: str, model: str, dtype: str, host: str,
               port: int, kv_port: int, config: str | None, offload_threshold: int | None,
-              advertise_kv: str = "") -> None:
+              advertise_kv: str = "", engine: str = "prfaas") -> None:
     from prfaas.services.instance import InstanceOptions
     from prfaas.services.roles import run_role
 
     options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
                               router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype,
-                              advertise_kv=advertise_kv)
+                              advertise_kv=advertise_kv, engine=engine)
     run_role(options, _config(config, offload_threshold, datacenter or None))
 
 
@@ -57,9 +59,10 @@ def _role_command(role: str, default_dc: str, help_text: str) -> None:
                 kv_port: int = typer.Option(0, "--kv-port", help="KV data port (0: any free port)"),
                 advertise_kv: str = typer.Option("", "--advertise-kv", help="HOST:PORT other roles dial for the KV "
                                                  "data port, when it is reached through NAT or a load balancer"),
-                config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD) -> None:
+                config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD,
+                engine: str = ENGINE) -> None:
         _instance(role, router_url, instance_id, datacenter, model, dtype, host, port, kv_port, config,
-                  offload_threshold, advertise_kv)
+                  offload_threshold, advertise_kv, engine)
 
     command.__doc__ = help_text
     serve_app.command(name=role)(command)
@@ -73,15 +76,18 @@ _role_command("relay", "dc-b", "A relay (datacenter B): holds KV blobs between p
 def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="relay | direct"),
        port: int = typer.Option(8000, "--port"), prefill: int = typer.Option(1, "--prefill"),
        decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
-       config: str | None = CONFIG, dtype: str = DTYPE,
+       config: str | None = CONFIG, dtype: str = DTYPE, engine: str = ENGINE,
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
                                 "(`prfaas lab up` first)"),
        tls: bool = typer.Option(False, "--tls", help="mutual TLS 1.3 everywhere, with certificates made in a "
-                                "temporary directory")) -> None:
+                                "temporary directory"),
+       max_restarts: int = typer.Option(10, "--max-restarts", min=0, help="a role that fails is restarted with "
+                                        "back-off; give up on it after this many failures in a row (0: never "
+                                        "restart)")) -> None:
     """Run a whole deployment on this machine (each role its own process on 127.0.0.1) until SIGINT/SIGTERM."""
     from prfaas.services.up import UpOptions, run_up
 
     load_config(config)  # fail fast on a bad file, before any process starts
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
-                     offload_threshold=offload_threshold, config=config, dtype=dtype,
-                     lab=lab, tls=tls))
+                     offload_threshold=offload_threshold, config=config, dtype=dtype, engine=engine,
+                     lab=lab, tls=tls, max_restarts=max_restarts))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prfaas.config import Config
@@ -26,6 +27,7 @@ from prfaas.transfer import pull, release
 from prfaas.transfer import stats as transfer_stats
 
 CREATION_GRACE_S = 2.0  # relay mode: the header may still be on its way to the relay
+TOKEN_CHARS_UNKNOWN = 64  # characters a token may stand for, when the tokenizer has no vocabulary to measure
 
 
 class DecodeService:
@@ -36,8 +38,19 @@ class DecodeService:
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
         self.keeps_kv = bool(getattr(engine, "keeps_kv", True))  # False: pulled KV is verified, then dropped
+        self.max_prompt_chars = engine.max_seq_len * longest_token_chars(engine.tokenizer)
+        # one thread: tokenising never blocks the event loop (the tokenizer releases the GIL), and calls into the
+        # tokenizer never overlap each other
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
-    def tokenize(self, body: dict[str, Any]) -> list[int]:
+    async def tokenize(self, body: dict[str, Any]) -> list[int]:
+        """The prompt's token ids. ``InvalidRequest`` at once, without tokenising, for text longer than the model's
+        context could hold (``max_prompt_chars``); otherwise tokenised off the event loop, so a long prompt never
+        stalls ``/health`` or other requests."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._tokenize, body)
+
+    def _tokenize(self, body: dict[str, Any]) -> list[int]:
+        self._bound(body)
         tokenizer = self.engine.tokenizer
         if "messages" in body:
             try:
@@ -53,6 +66,13 @@ class DecodeService:
             raise InvalidRequest("prompt must be a string or a list of token ids")
         return [int(t) for t in ids]
 
+    def _bound(self, body: dict[str, Any]) -> None:
+        field = "messages" if "messages" in body else "prompt"
+        chars = text_length(body.get(field))
+        if chars > self.max_prompt_chars:
+            raise InvalidRequest(f"the {field} has {chars} characters of text, more than this model's context of "
+                                 f"{self.engine.max_seq_len} tokens can hold", field)
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Holds a reservation of the sequence's KV bytes (prompt + max_tokens) while it runs, so the free KV
         memory in heartbeats is what new requests can really get."""
@@ -67,7 +87,7 @@ class DecodeService:
             self.reserved_kv_bytes -= need
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        sampling = SamplingParams.from_json(request.sampling)
+        sampling = request.sampling_params()
         arrived = time.perf_counter()
         stages: dict[str, float] = {}
         if request.kv_id:
@@ -168,3 +188,22 @@ class DecodeService:
 
     def close(self) -> None:
         self.batcher.close()
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """An upper bound of the characters of text one token stands for: the longest vocabulary entry (a byte-level
+    entry spells each byte as one character, and a character is at least one byte)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max(map(len, vocab), default=TOKEN_CHARS_UNKNOWN) or TOKEN_CHARS_UNKNOWN
+
+
+def text_length(value: Any) -> int:
+    """Characters in every string of ``value`` (a prompt, or chat messages; ``jsonbody`` bounds their depth)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_length(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(text_length(v) for v in value if isinstance(v, str | dict | list))
+    return 0

@@ -7,11 +7,15 @@ KV memory, counting what this router already sent it), asks the ``Scheduler`` fo
 - the decode instance dies mid-stream → another decode instance re-prefills the prompt plus the tokens already
   streamed and continues, without repeating a token (within ``kv_retry_budget``);
 - otherwise the error reaches the client with its code.
+A client error an instance answers (``INVALID_REQUEST``, ``PROMPT_REFUSED``: the request itself is at fault) is
+none of these: it reaches the client at once as its 400, is not retried elsewhere, and counts as a healthy answer
+for the instance's breaker and the link (a bad request must not take an instance or the link out of service).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -22,7 +26,7 @@ from typing import Any
 import httpx
 
 from prfaas.config import Config
-from prfaas.errors import KVUnavailable, PrfaasError, error_from_code
+from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError, PromptRefused, error_from_code
 from prfaas.kv import Fingerprint, new_kv_id
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, SamplingParams
 from prfaas.obs import metrics
@@ -34,6 +38,7 @@ from prfaas.tenancy.policy import TenantPolicy
 
 QUEUE_POLL_S = 0.05
 _DEAD = (httpx.TransportError,)
+_CLIENT_FAULTS = (InvalidRequest, PromptRefused)  # the request is at fault, not the instance that said so
 
 
 @dataclass
@@ -75,11 +80,18 @@ class Dispatcher:
                     yield event
                 self.scheduler.breakers.success(decode.instance_id)
                 return
+            except _CLIENT_FAULTS:
+                self.scheduler.breakers.success(decode.instance_id)  # it answered, correctly
+                raise
             except _DEAD as exc:
                 self.scheduler.breakers.failure(decode.instance_id)
                 if retries >= self.config.kv_retry_budget:
                     raise KVUnavailable(f"decode instance {decode.instance_id} failed: {exc!r}") from exc
                 retries += 1
+                if len(job.generated) >= job.max_tokens:  # it died after its last token: nothing left to resume
+                    yield {"event": "done", "finish_reason": "length", "completion_tokens": len(job.generated),
+                           "text": ""}
+                    return
                 decode = await self.acquire_decode(job, exclude={decode.instance_id})
                 job.extension.update(retries=job.extension.get("retries", 0) + 1, resumed_on=decode.instance_id)
             finally:
@@ -132,7 +144,8 @@ class Dispatcher:
                     yield event
                 return
             except (PrfaasError, httpx.HTTPError) as exc:
-                if job.first_token_at is not None or (isinstance(exc, _DEAD) and _decode_failed(exc, decode)):
+                if job.first_token_at is not None or isinstance(exc, _CLIENT_FAULTS) or (
+                        isinstance(exc, _DEAD) and _decode_failed(exc, decode)):
                     raise
                 self._fell_back(job, exc)
         async for event in self._decode(job, decode, self._local_request(job)):
@@ -194,6 +207,10 @@ class Dispatcher:
                 finally:
                     done.cancel()
                     await asyncio.gather(done, return_exceptions=True)
+        except _CLIENT_FAULTS:
+            if job.first_token_at is None:
+                self.scheduler.breakers.success(prefill.instance_id)
+            raise
         except (PrfaasError, httpx.HTTPError):
             self.scheduler.link.record(ok=False)
             if job.first_token_at is None:
@@ -252,11 +269,27 @@ def _decode_failed(exc: Exception, decode: InstanceInfo) -> bool:
 async def _events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     if reply.status_code != 200:
         await reply.aread()
-        raise _error(reply.json().get("error", {}) if reply.headers.get("content-type", "").startswith(
-            "application/json") else {"code": KVUnavailable.code, "message": f"HTTP {reply.status_code}"})
+        raise _refusal(reply)
     async for line in reply.aiter_lines():
         if line.strip():
             yield json.loads(line)
+
+
+def _refusal(reply: httpx.Response) -> PrfaasError:
+    """What an instance's non-200 answer means. Its error body carries the code, except ``INVALID_REQUEST``'s
+    (null in the OpenAI body): a 4xx without a code is the request's fault, not the instance's."""
+    body: Any = {}
+    if reply.headers.get("content-type", "").startswith("application/json"):
+        with contextlib.suppress(ValueError):
+            body = reply.json()
+    error = body.get("error") if isinstance(body, dict) else None
+    error = error if isinstance(error, dict) else {}
+    fallback = InvalidRequest.code if 400 <= reply.status_code < 500 else KVUnavailable.code
+    exc = _error({"code": error.get("code") or fallback, "message": error.get("message") or
+                  f"HTTP {reply.status_code}"})
+    if isinstance(exc, InvalidRequest) and isinstance(error.get("param"), str):
+        exc.param = error["param"]
+    return exc
 
 
 def _error(event: dict[str, Any]) -> PrfaasError:

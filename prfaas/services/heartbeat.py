@@ -1,4 +1,9 @@
-"""Instance side of the registry: register with the router, then heartbeat with fresh load figures."""
+"""Instance side of the registry: register with the router, then heartbeat with fresh load figures.
+
+Without a certificate the router knows an instance by the API key it sends (``headers``, from
+``prfaas.security.registration.credential``); a refusal (401/403) is logged as a warning, since the instance
+stays out of placement until it is fixed.
+"""
 
 from __future__ import annotations
 
@@ -19,12 +24,14 @@ class Heartbeat:
     (the router marks us unhealthy if it stops hearing from us, and we re-register when it comes back)."""
 
     def __init__(self, router_url: str, info: Callable[[], InstanceInfo], interval_s: float,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None, headers: dict[str, str] | None = None) -> None:
         self.router_url = router_url.rstrip("/")
+        self.headers = dict(headers or {})  # the registration credential: never logged
         self.info = info
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self.refused: str | None = None
+        self.unauthorized: str | None = None  # the router's last 401/403 reason (logged once per reason)
         self.on_refused = on_refused
 
     def start(self) -> None:
@@ -36,7 +43,8 @@ class Heartbeat:
             await asyncio.gather(self._task, return_exceptions=True)
         if deregister:
             try:
-                async with httpx.AsyncClient(timeout=2.0, verify=tls_runtime.http_verify()) as client:
+                async with httpx.AsyncClient(timeout=2.0, verify=tls_runtime.http_verify(),
+                                             headers=self.headers) as client:
                     await client.post(f"{self.router_url}/internal/deregister",
                                       json={"instance_id": self.info().instance_id})
             except httpx.HTTPError:
@@ -44,7 +52,7 @@ class Heartbeat:
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(timeout=max(1.0, self.interval_s * 2),
-                                     verify=tls_runtime.http_verify()) as client:
+                                     verify=tls_runtime.http_verify(), headers=self.headers) as client:
             while True:
                 try:
                     reply = await client.post(f"{self.router_url}/internal/heartbeat", json=self.info().to_json())
@@ -53,6 +61,20 @@ class Heartbeat:
                         if self.on_refused:
                             self.on_refused(self.refused)
                             return
+                    elif reply.status_code in (401, 403):
+                        self._unauthorized(reply)
                 except httpx.HTTPError as exc:
                     log.debug("heartbeat to %s failed: %s", self.router_url, exc)
                 await asyncio.sleep(self.interval_s)
+
+    def _unauthorized(self, reply: httpx.Response) -> None:
+        """The router refused our registration (wrong certificate or key for this role or id): say so once per
+        reason, and keep trying (a fixed key or a restarted router lets us in)."""
+        try:
+            why = str(reply.json().get("error", {}).get("message", ""))
+        except ValueError:
+            why = reply.text[:200]
+        if why != self.unauthorized:
+            self.unauthorized = why
+            log.warning("the router at %s refused our registration (HTTP %d): %s", self.router_url,
+                        reply.status_code, why)

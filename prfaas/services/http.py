@@ -1,4 +1,12 @@
-"""Shared HTTP plumbing: uvicorn on a pre-bound socket (port 0 works), OpenAI-style errors, NDJSON streams."""
+"""Shared HTTP plumbing: uvicorn on a pre-bound socket (port 0 works), OpenAI-style errors, NDJSON streams.
+
+Every answer of every role's app is either its route's own or an OpenAI error body
+``{"error": {"message", "type", "code", "param"}}``: ``install_error_handlers`` renders prfaas errors, unknown routes
+(404), wrong methods (405) and anything unexpected (500); ``ErrorBoundary``, the outermost layer ``serve`` puts
+around the app, logs each unexpected exception once with its traceback and answers 500 for one raised outside the
+app's own handlers (a middleware). Request bodies become JSON in one place, ``prfaas.services.jsonbody``; the
+server's read timeouts are ``prfaas.security.readtimeout``.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +20,17 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.obs import metrics
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-                429: "rate_limit_error"}
+                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+log = logging.getLogger("prfaas.http")
 
 
 def setup_logging(name: str) -> None:
@@ -38,16 +49,17 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def error_body(status: int, message: str, code: str | None) -> dict[str, Any]:
+def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
     kind = _ERROR_TYPES.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
+    return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 def error_response(exc: PrfaasError) -> JSONResponse:
     retry_after = getattr(exc, "retry_after_s", 1)
     headers = {"Retry-After": str(retry_after)} if exc.retryable and exc.http_status in (429, 503) else None
     code = None if isinstance(exc, InvalidRequest) else exc.code
-    return JSONResponse(error_body(exc.http_status, exc.message, code), status_code=exc.http_status,
+    return JSONResponse(error_body(exc.http_status, exc.message, code, getattr(exc, "param", None)),
+                        status_code=exc.http_status,
                         headers=headers)
 
 
@@ -56,15 +68,66 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _prfaas(request: Request, exc: PrfaasError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(HTTPException)  # routing's 404 and 405, in the OpenAI shape rather than {"detail"}
+    async def _routing(request: Request, exc: HTTPException) -> JSONResponse:
+        message = _ROUTING.get(exc.status_code, "{detail}").format(
+            method=request.method, path=request.url.path, detail=exc.detail)
+        return JSONResponse(error_body(exc.status_code, message, None), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, f"invalid request: {exc.errors()}", None), status_code=400)
+
+    @app.exception_handler(Exception)  # ServerErrorMiddleware's: it re-raises to ErrorBoundary, which logs it
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, _INTERNAL, None), status_code=500)
+
     @app.get("/metrics")
     async def _metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+_ROUTING = {404: "Invalid URL ({method} {path})", 405: "Method {method} is not allowed on {path}"}
+_INTERNAL = "the server had an error while processing your request"
+
+
+class ErrorBoundary:
+    """The outermost ASGI layer of every prfaas app (see the module docstring). An exception after the reply began
+    cannot change its status: it is logged and the reply left incomplete, so uvicorn closes the connection and
+    the peer sees a truncated stream rather than a clean end."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await JSONResponse(error_body(500, _INTERNAL, None), status_code=500)(scope, receive, send)
+
+
 def ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """A stream of events; one that fails unexpectedly ends with an ``error`` event (logged with its traceback)
+    instead of a cut connection, since its 200 status is already sent."""
     async def body() -> AsyncIterator[bytes]:
-        async for event in events:
-            yield (json.dumps(event) + "\n").encode()
+        try:
+            async for event in events:
+                yield (json.dumps(event) + "\n").encode()
+        except Exception:
+            log.exception("unexpected error in a stream")
+            yield (json.dumps({"event": "error", **PrfaasError(_INTERNAL).to_wire()}) + "\n").encode()
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
@@ -75,15 +138,22 @@ async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awai
     """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown.
     With ``ssl`` it serves TLS only (``prfaas.security.asgi.tls_protocol``: a plaintext peer is refused before
     any request is read, each refusal goes to ``app.state.tls_refused``) and records each peer's certificate for
-    ``prfaas.security.asgi.RoleGuard``."""
-    from prfaas.security import limits
+    ``prfaas.security.asgi.RoleGuard``. A request head or body slower than the configured read timeouts is
+    answered 408 and its connection closed (``prfaas.security.readtimeout``)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    extra: dict[str, Any] = {"http": "h11", "h11_max_incomplete_event_size": limits.current().max_header_bytes}
+    from prfaas.security import limits
+    from prfaas.security.readtimeout import timed
+
+    protocol: type[H11Protocol] = H11Protocol
     if ssl is not None:
         from prfaas.security.asgi import tls_protocol
 
-        extra["http"] = tls_protocol(ssl, getattr(app.state, "tls_refused", None))
-    config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=10, **extra)
+        protocol = tls_protocol(ssl, getattr(app.state, "tls_refused", None))
+    extra: dict[str, Any] = {"http": timed(protocol, limits.current()),
+                             "h11_max_incomplete_event_size": limits.current().max_header_bytes}
+    config = uvicorn.Config(ErrorBoundary(app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
+                            **extra)
     server = server_class(config)  # prfaas.services.drain: SIGTERM drains an instance
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():

@@ -24,6 +24,8 @@ from prfaas.config import Config
 from prfaas.messages import InstanceInfo
 from prfaas.security import guards
 from prfaas.security import runtime as tls_runtime
+from prfaas.security.apikeys import parse_keys
+from prfaas.security.registration import credential
 from prfaas.services import drain, http
 from prfaas.services.heartbeat import Heartbeat
 from prfaas.services.kvstore import StoreRuntime
@@ -45,6 +47,7 @@ class InstanceOptions:
     model: str = ""
     advertise_kv: str = ""  # HOST:PORT peers dial for the KV data port (NAT, load balancer); "" = the bound one
     dtype: str = "float32"
+    engine: str = "prfaas"  # prfaas (the embedded engine) | vllm (a child vLLM server: prfaas.vllm.serving)
 
 
 class Instance:
@@ -65,6 +68,8 @@ class Instance:
         self.fingerprint: dict[str, Any] = {}
         self.model, self.max_seq_len = options.model, 0
         self.load: Callable[[], dict[str, int]] = lambda: {}
+        self.closers: list[Callable[[], None]] = []  # run once at shutdown, last first (an engine's child process)
+        self.exit_code = 0  # non-zero once ``fail`` was called: the process exits with it, so a supervisor restarts it
         self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
         http.install_error_handlers(self.app)
         self.drain = drain.attach(self)  # SIGTERM / POST /admin/drain: finish, then exit (drain.py)
@@ -104,7 +109,8 @@ class Instance:
         server = await self._start_transfer()
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
         beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3,
-                         on_refused=self._refused)
+                         on_refused=self._refused,
+                         headers=credential(parse_keys(self.config.api_keys), self.options.role))
         self.beat = beat  # the drain restarts it to announce itself at once
         beat.start()
         log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
@@ -121,6 +127,12 @@ class Instance:
             if self.kv:
                 left = self.kv.close()
                 log.info("store closed: %d blobs ended at shutdown", len(left))
+            self.close()
+
+    def close(self) -> None:
+        """Run the closers (idempotent: also called when the process ends without a lifespan)."""
+        while self.closers:
+            self.closers.pop()()
 
     async def _start_transfer(self) -> TransferServer | None:
         if self.kv is None or self.kv_sock is None:
@@ -136,6 +148,13 @@ class Instance:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             self.kv.sweep()
+
+    def fail(self, reason: str) -> None:
+        """Something this instance cannot serve without has gone (its engine's process): stop now, deregistered,
+        and exit non-zero (``run_role``), so that ``prfaas up`` or systemd starts it again. Any thread may call it."""
+        log.error("this instance stops: %s", reason)
+        self.exit_code = 1
+        os.kill(os.getpid(), signal.SIGINT)
 
     @staticmethod
     def _refused(reason: str) -> None:

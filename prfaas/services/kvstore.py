@@ -19,10 +19,17 @@ from prfaas.config import Config
 from prfaas.obs import metrics
 from prfaas.store import AccessRecord, BlobStore, DeletionRecord, FrameBackend, MemoryBackend, accessing
 from prfaas.store.sealed import SealedBackend, load_master_key
-from prfaas.tenancy import metering
+from prfaas.tenancy import Tenants, metering
 from prfaas.transfer import TransferServer
 
 log = logging.getLogger("prfaas.store")
+
+
+def longest_ttl(config: Config) -> float:
+    """The longest TTL a blob of this deployment may have: ``kv_ttl_seconds`` or a tenant's longer override.
+    The store refuses a Put asking for more (``KV_BAD_FORMAT``), so store holders need the tenants' policies."""
+    tenants = Tenants.from_config(config.tenants).policies.values()
+    return max([config.kv_ttl_seconds, *(t.kv_ttl_seconds for t in tenants)])
 
 
 class StoreRuntime:
@@ -35,7 +42,8 @@ class StoreRuntime:
             self.audit.opened(backend=backend.name, ttl_s=config.kv_ttl_seconds,
                               budget_bytes=config.store_budget_bytes, datacenter=config.datacenter)
         self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._deleted,
-                               backend=backend, on_access=self._accessed, owner=instance_id)
+                               backend=backend, on_access=self._accessed, owner=instance_id,
+                               max_ttl_s=longest_ttl(config))
         if self.audit:
             settled = self.audit.settle({b.kv_id for b in self.store.live()}, config.kv_ttl_seconds)
             if settled:

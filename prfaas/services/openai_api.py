@@ -7,10 +7,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prfaas import fields as check
 from prfaas.errors import InvalidRequest
+from prfaas.messages import MAX_STOP, MAX_TOKENS, SEED_BITS, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256
-MAX_STOP = 4
 
 
 @dataclass(frozen=True)
@@ -32,24 +33,60 @@ class CompletionRequest:
         return {"messages": self.messages} if self.chat else {"prompt": self.prompt}
 
 
+# Accepted by OpenAI but not served here: refused by name rather than silently ignored (a client that asks for
+# logprobs must not get a 200 without them). A value that asks for nothing (null, false, empty) passes.
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "logit_bias", "tools", "functions",
+               "response_format")
+
+
 def parse(body: Any, chat: bool) -> CompletionRequest:
+    """The request, every field checked; ``InvalidRequest`` (400, naming the field) for anything prfaas cannot
+    serve exactly as asked. The sampling fields are checked by ``SamplingParams``, the same rules an instance
+    applies to the internal bodies it receives."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    _refuse_unsupported(body)
     n = body.get("n", 1)
-    if n != 1:
-        raise InvalidRequest("only n=1 is supported")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(s, str) for s in stop):
-        raise InvalidRequest(f"stop must be a string or a list of at most {MAX_STOP} strings")
+    if n != 1 or isinstance(n, bool):
+        raise InvalidRequest("only n=1 is supported", param="n")
     options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("'stream_options' must be an object", param="stream_options")
+    seed = _seed(body)
+    sampling = SamplingParams(temperature=_given(body, "temperature", 1.0), top_p=_given(body, "top_p", 1.0),
+                              seed=seed or 0)
     return CompletionRequest(
         chat=chat, model=_text(body, "model", required=False), max_tokens=_max_tokens(body),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        seed=_seed(body), stop=stop, stream=bool(body.get("stream", False)),
-        include_usage=bool(options.get("include_usage", False)) if isinstance(options, dict) else False,
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        temperature=sampling.temperature, top_p=sampling.top_p, seed=seed, stop=_stop(body),
+        stream=_flag(body, "stream"),
+        include_usage=_flag(options, "include_usage", "stream_options.include_usage"),
+        ignore_eos=_flag(body, "ignore_eos"),
         prompt=None if chat else _prompt(body), messages=_messages(body) if chat else [])
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for key in UNSUPPORTED:
+        value = body.get(key)
+        if not (value is None or value is False or _empty(value) or (key == "top_logprobs" and _zero(value))):
+            raise InvalidRequest(f"'{key}' is not supported by prfaas; leave it out", param=key)
+
+
+def _empty(value: Any) -> bool:
+    return isinstance(value, list | dict | str) and not value
+
+
+def _zero(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == 0
+
+
+def _flag(body: dict[str, Any], key: str, name: str = "") -> bool:
+    value = body.get(key)
+    return False if value is None else check.boolean(value, name or key)
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop") or []
+    return check.strings([stop] if isinstance(stop, str) else stop, "stop", MAX_STOP)
 
 
 def _text(body: dict[str, Any], key: str, required: bool = True) -> str:
@@ -59,29 +96,20 @@ def _text(body: dict[str, Any], key: str, required: bool = True) -> str:
     return value
 
 
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+def _given(body: dict[str, Any], key: str, default: Any) -> Any:
     value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise InvalidRequest(f"'{key}' must be a number within [{lo:g}, {hi:g}]")
-    return float(value)
+    return default if value is None else value
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidRequest("'max_tokens' must be a positive integer")
-    return value
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(key)
+    return None if value is None else check.integer(value, key, 1, MAX_TOKENS)
 
 
 def _seed(body: dict[str, Any]) -> int | None:
     value = body.get("seed")
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise InvalidRequest("'seed' must be an integer")
-    return value
+    return None if value is None else check.integer(value, "seed", -(1 << SEED_BITS), (1 << SEED_BITS) - 1)
 
 
 def _prompt(body: dict[str, Any]) -> str | list[int]:

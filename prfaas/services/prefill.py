@@ -47,18 +47,35 @@ class PrefillService:
             yield {"event": "error", **exc.to_wire()}
 
     async def _prefill(self, request: PrefillRequest, arrived: float) -> AsyncIterator[dict[str, Any]]:
-        sampling = SamplingParams.from_json(request.sampling)
+        sampling = request.sampling_params()
+        self.engine.check_prompt(request.token_ids)  # a prompt the engine refuses is refused before `accepted`
         version = negotiate_version([request.format_version]) if request.format_version else FORMAT_VERSION
         writer = BlobWriter(self._header(request, version), version)
         sink = self._sink(request, writer.header_frame())
-        yield {"event": "accepted"}
+        started = time.perf_counter()
+        done = self._submit(request.token_ids, sampling, writer, sink)  # computes while the relay creates the blob
+        try:
+            await sink.ready()  # the blob exists where decode reads it: decode's first Get finds it
+            yield {"event": "accepted"}
+            first_token, seconds = await done
+            await sink.finish(writer.finish(first_token))
+        except BaseException:
+            done.cancel()  # its outcome no longer matters (the engine finishes the job; its frames are dropped)
+            await sink.abort("aborted")
+            raise
+        metrics.PREFILL_SECONDS.observe(seconds)
+        yield {"event": "done", "first_token": first_token, "kv_bytes": writer.bytes_written,
+               "chunks": writer.chunks_written, "prefill_ms": seconds * 1e3,
+               "queue_ms": (started - arrived) * 1e3}
+
+    def _submit(self, token_ids: list[int], sampling: SamplingParams, writer: BlobWriter,
+                sink: FrameSink) -> asyncio.Future[tuple[int, float]]:
+        """Queue the prompt on the engine thread; the future settles with (first token, seconds) or its error."""
         loop = asyncio.get_running_loop()
-
-        def on_layer(layer: LayerState) -> None:
-            frames = writer.add_layer(layer)
-            loop.call_soon_threadsafe(sink.put, frames)
-
         done: asyncio.Future[tuple[int, float]] = loop.create_future()
+
+        def on_layer(layer: LayerState) -> None:  # engine thread: blocks while a push is too far behind
+            sink.hand_over(writer.add_layer(layer))
 
         def finish(token: int | None, seconds: float, error: BaseException | None) -> None:
             def settle() -> None:
@@ -70,18 +87,8 @@ class PrefillService:
                     done.set_result((int(token or 0), seconds))
             loop.call_soon_threadsafe(settle)
 
-        started = time.perf_counter()
-        try:
-            self.scheduler.submit(PrefillJob(list(request.token_ids), sampling, on_layer, finish))
-            first_token, seconds = await done
-            await sink.finish(writer.finish(first_token))
-        except BaseException:
-            await sink.abort("aborted")
-            raise
-        metrics.PREFILL_SECONDS.observe(seconds)
-        yield {"event": "done", "first_token": first_token, "kv_bytes": writer.bytes_written,
-               "chunks": writer.chunks_written, "prefill_ms": seconds * 1e3,
-               "queue_ms": (started - arrived) * 1e3}
+        self.scheduler.submit(PrefillJob(list(token_ids), sampling, on_layer, finish))
+        return done
 
     def _header(self, request: PrefillRequest, version: int) -> BlobHeader:
         fingerprint = self.engine.fingerprint  # carries the version written, so old readers accept the blob

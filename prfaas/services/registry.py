@@ -6,6 +6,11 @@ any other fingerprint is refused (HTTP 409, ``KV_INCOMPATIBLE``). With ``pools``
 every fingerprint must match an entry, several pools run side by side (a model upgrade), requests go to a pool
 with the configured weights (canary) and are paired only inside it. Relays hold no model and serve every pool.
 Draining instances stay listed but get no new work.
+
+Owners: each entry remembers who registered it (``prfaas.security.registration``: a certificate, an API key, or
+nobody); while the instance is live, a heartbeat or deregistration of its id by another owner is refused
+(``KVUnauthorized``), so one instance can neither take over nor remove another. An id whose instance stopped
+heartbeating for ``timeout_s`` may be registered again by anyone allowed to claim it (a replacement host).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prfaas.errors import InvalidRequest, KVIncompatible
+from prfaas.errors import InvalidRequest, KVIncompatible, KVUnauthorized
 from prfaas.kv import Fingerprint
 from prfaas.messages import InstanceInfo
 from prfaas.obs import metrics
@@ -29,6 +34,7 @@ log = logging.getLogger("prfaas.registry")
 class _Entry:
     info: InstanceInfo
     last_seen: float
+    owner: str = ""  # who registered it (registration.Registrar); "" = unauthenticated
 
 
 def pool_of(info: InstanceInfo) -> str:
@@ -48,12 +54,15 @@ class Registry:
         self.fingerprint: Fingerprint | None = None  # the first pool's: the deployment's model by default
         self.models: dict[str, Fingerprint] = {}  # pool key → fingerprint
 
-    def upsert(self, info: InstanceInfo) -> None:
+    def upsert(self, info: InstanceInfo, owner: str = "") -> None:
+        """Register or refresh ``info`` for ``owner``; ``KVIncompatible`` for an unknown role or a model this
+        deployment does not serve, ``KVUnauthorized`` if another owner holds the live id."""
         if info.role not in ROLES:
             raise KVIncompatible(f"unknown role {info.role!r}")
+        self._check_owner(info.instance_id, owner)
         if info.fingerprint:
             self._admit(info.instance_id, Fingerprint.from_wire(info.fingerprint))
-        self._entries[info.instance_id] = _Entry(info, self.clock())
+        self._entries[info.instance_id] = _Entry(info, self.clock(), owner)
         metrics.QUEUE_DEPTH.labels(instance=info.instance_id).set(info.queue_depth)
         metrics.FREE_KV.labels(instance=info.instance_id).set(info.free_kv_bytes)
         self._publish()
@@ -95,9 +104,18 @@ class Registry:
         self._publish()
         return True
 
-    def remove(self, instance_id: str) -> None:
+    def remove(self, instance_id: str, owner: str = "") -> None:
+        """Forget ``instance_id`` (nothing if unknown); ``KVUnauthorized`` if another owner holds it live."""
+        self._check_owner(instance_id, owner)
         self._entries.pop(instance_id, None)
         self._publish()
+
+    def _check_owner(self, instance_id: str, owner: str) -> None:
+        entry = self._entries.get(instance_id)
+        if entry is not None and entry.owner != owner and self.clock() - entry.last_seen <= self.timeout_s:
+            log.warning("refused %s for instance %s: it is registered by %s", owner or "an anonymous peer",
+                        instance_id, entry.owner or "an anonymous peer")
+            raise KVUnauthorized(f"instance id {instance_id!r} is registered by another identity")
 
     def healthy(self, role: str, pool: str | None = None) -> list[InstanceInfo]:
         """Instances that can take new work: heard from lately, ready, not draining, and (with ``pool``) of

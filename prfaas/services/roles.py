@@ -10,9 +10,10 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from prfaas.config import Config
+from prfaas.errors import InvalidRequest
 from prfaas.messages import GenerateRequest, PrefillRequest
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import http
+from prfaas.services import http, jsonbody
 from prfaas.services.instance import Instance, InstanceOptions
 
 
@@ -20,7 +21,12 @@ def run_role(options: InstanceOptions, config: Config) -> None:
     http.setup_logging(options.instance_id)
     tls_runtime.configure(config, options.role)
     instance = build(options, config)
-    asyncio.run(instance.run())
+    try:
+        asyncio.run(instance.run())
+    finally:
+        instance.close()  # whatever ended the loop, the engine's child process ends with it
+    if instance.exit_code:
+        raise SystemExit(instance.exit_code)
 
 
 def build(options: InstanceOptions, config: Config) -> Instance:
@@ -31,6 +37,10 @@ def build(options: InstanceOptions, config: Config) -> Instance:
         instance.load = lambda: {"queue_depth": store.stats().blobs,
                                  "free_kv_bytes": store.budget_bytes - store.stats().bytes}
         return instance
+    if options.engine == "vllm":
+        return _build_vllm(options, config)
+    if options.engine != "prfaas":
+        raise InvalidRequest(f"--engine must be prfaas or vllm, not {options.engine!r}")
     from prfaas.engine import load_engine
 
     engine = load_engine(options.model, dtype=options.dtype)
@@ -48,27 +58,53 @@ def build(options: InstanceOptions, config: Config) -> Instance:
     return instance
 
 
+def _build_vllm(options: InstanceOptions, config: Config) -> Instance:
+    """The role on a child vLLM server (``prfaas.vllm.serving``): no store here (the connector's is inside vLLM),
+    the same routes."""
+    from prfaas.vllm import serving
+
+    if options.role not in ("prefill", "decode"):
+        raise ValueError(f"unknown role {options.role!r}")
+    instance = Instance(options, config, with_store=False)
+    try:
+        service = serving.start(instance)
+    except BaseException:
+        instance.close()
+        raise
+    if isinstance(service, serving.VllmPrefill):
+        _serve_prefill(instance, service)
+    else:
+        _serve_decode(instance, service)
+    return instance
+
+
 def _prefill_routes(instance: Instance, engine: Any) -> None:
     from prfaas.services.prefill import PrefillService
 
-    service = PrefillService(engine, instance.config, instance.store)
+    _serve_prefill(instance, PrefillService(engine, instance.config, instance.store))
+
+
+def _serve_prefill(instance: Instance, service: Any) -> None:
     instance.load = service.load
 
     @instance.app.post("/prefill")
     async def prefill(request: Request) -> StreamingResponse:
-        return http.ndjson(service.prefill(PrefillRequest.from_json(await request.json())))
+        return http.ndjson(service.prefill(PrefillRequest.from_json(await jsonbody.read(request))))
 
 
 def _decode_routes(instance: Instance, engine: Any) -> None:
     from prfaas.services.decode import DecodeService
 
-    service = DecodeService(engine, instance.config)
+    _serve_decode(instance, DecodeService(engine, instance.config))
+
+
+def _serve_decode(instance: Instance, service: Any) -> None:
     instance.load = service.load
 
     @instance.app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        return {"token_ids": service.tokenize(await request.json())}
+        return {"token_ids": await service.tokenize(await jsonbody.read_object(request))}
 
     @instance.app.post("/generate")
     async def generate(request: Request) -> StreamingResponse:
-        return http.ndjson(service.generate(GenerateRequest.from_json(await request.json())))
+        return http.ndjson(service.generate(GenerateRequest.from_json(await jsonbody.read(request))))

@@ -22,14 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prfaas.config import Config
-from prfaas.errors import InvalidRequest, KVIncompatible, KVUnavailable, PrfaasError, RateLimited
+from prfaas.errors import InvalidRequest, KVIncompatible, KVUnauthorized, KVUnavailable, PrfaasError, RateLimited
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Scheduler
 from prfaas.scheduler.ratelimit import TokenBucket
-from prfaas.security import apikeys, guards
+from prfaas.security import apikeys, guards, registration
 from prfaas.security import runtime as tls_runtime
-from prfaas.services import admin_routes, drain, http, openai_api, pool_weights
+from prfaas.security.asgi import peer_of
+from prfaas.security.identity import Peer
+from prfaas.services import admin_routes, drain, http, jsonbody, openai_api, pool_weights
 from prfaas.services.dispatch import Dispatcher, Job
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
@@ -229,17 +231,13 @@ def create_app(router: Router) -> FastAPI:
         error = KVUnavailable(f"an instance could not be reached: {exc!r}")
         return http.error_response(error)
 
-    @app.exception_handler(json.JSONDecodeError)
-    async def _bad_json(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
-        return JSONResponse(http.error_body(400, f"the body is not valid JSON: {exc}", None), status_code=400)
-
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        return await router.complete(await request.json(), chat=False, tenant=_tenant(request))
+        return await router.complete(await jsonbody.read(request), chat=False, tenant=_tenant(request))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request) -> Any:
-        return await router.complete(await request.json(), chat=True, tenant=_tenant(request))
+        return await router.complete(await jsonbody.read(request), chat=True, tenant=_tenant(request))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -252,22 +250,38 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
                             status_code=200 if router.ready() else 503)
 
+    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys))
+    if registrar.keys and not registrar.strict and not tls_runtime.enabled():
+        log.warning("no API key carries `roles`: any valid key may register instances of any role; give the "
+                    "instances' keys roles (docs/security.md)")
+
     @app.post("/internal/heartbeat")
     async def heartbeat(request: Request) -> JSONResponse:
-        try:
-            router.registry.upsert(InstanceInfo.from_json(await request.json()))
+        info = InstanceInfo.from_json(await jsonbody.read(request))
+        peer = peer_of(dict(request.scope))
+        try:  # the claimed role and id must be the registrant's (prfaas.security.registration)
+            owner = registrar.claim(peer, request.headers.get("authorization", ""), info.role, info.instance_id)
+            router.registry.upsert(info, owner)
+        except KVUnauthorized as exc:
+            return _refused(request, peer, exc)
         except KVIncompatible as exc:
             return JSONResponse(http.error_body(409, exc.message, exc.code), status_code=409)
         return JSONResponse({"ok": True})
 
     @app.post("/internal/deregister")
-    async def deregister(request: Request) -> dict[str, Any]:
-        router.registry.remove(str((await request.json()).get("instance_id", "")))
-        return {"ok": True}
+    async def deregister(request: Request) -> JSONResponse:
+        peer = peer_of(dict(request.scope))
+        try:  # only the owner of a live registration may remove it
+            owner = registrar.identify(peer, request.headers.get("authorization", ""))
+            router.registry.remove(str((await jsonbody.read_object(request)).get("instance_id", "")), owner)
+        except KVUnauthorized as exc:
+            return _refused(request, peer, exc)
+        return JSONResponse({"ok": True})
 
     @app.get("/admin/instances")
     async def instances() -> list[dict[str, Any]]:
-        return [{**info.to_json(), "healthy": ok} for info, ok in router.registry.all()]
+        return [{**info.to_json(), "healthy": ok, "breaker": router.scheduler.breakers.state(info.instance_id)}
+                for info, ok in router.registry.all()]
 
     @app.get("/admin/kv")
     async def kv() -> dict[str, Any]:
@@ -275,6 +289,15 @@ def create_app(router: Router) -> FastAPI:
 
     guards.protect_router(app, router.config)  # API keys on /v1 and /admin; roles on /internal with TLS
     return app
+
+
+def _refused(request: Request, peer: Peer, exc: KVUnauthorized) -> JSONResponse:
+    """A refused registration: logged, in the router's audit log (``register``), answered 403."""
+    log.warning("refused register to %s: %s", peer.identity, exc.message)
+    on_refused = getattr(request.app.state, "tls_refused", None)  # the router's recorder (guards.protect_router)
+    if on_refused is not None:
+        on_refused(peer, "register", exc.message)
+    return http.error_response(exc)
 
 
 def _tenant(request: Request) -> str:

@@ -1,9 +1,11 @@
 """``prfaas up``: a whole deployment on this machine, every role its own process on 127.0.0.1.
 
-Start order: router, relay, prefill, decode. The router URL is printed once ``/health`` is 200. SIGINT/SIGTERM
-stop the children in reverse order (SIGINT, which stops an instance without a drain, then SIGKILL after a grace
-period); children also get SIGTERM from
-the kernel if this process dies, so nothing is left behind.
+Start order: router, relay, prefill, decode. The router URL is printed once ``/health`` is 200; a role that exits
+before that stops the start (a bad config fails at once rather than in a restart loop). From then on a role that
+fails is restarted with back-off, each decision one line on stdout (``prfaas.services.supervisor``); the deployment
+ends when the router is gone for good. SIGINT/SIGTERM stop the supervision, then the children in reverse order
+(SIGINT, which stops an instance without a drain, then SIGKILL after a grace period); children also get SIGTERM
+from the kernel if this process dies, so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -18,15 +20,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
 from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.security import local
+from prfaas.services.supervisor import RestartPolicy, Role, Supervisor
 
 _PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
+SUPERVISE_INTERVAL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,12 @@ class UpOptions:
     offload_threshold: int | None = None
     config: str | None = None
     dtype: str = "float32"
+    engine: str = "prfaas"  # of the prefill and decode instances: prfaas | vllm (prfaas.vllm.serving)
     startup_timeout_s: float = 600.0
     log_file: str | None = None  # children's output goes here instead of this terminal
     lab: bool = False  # place each role in its datacenter of the lab (`prfaas lab up` first)
     tls: bool = False  # mutual TLS 1.3 on every hop, certificates in a temporary directory (prfaas.security.local)
+    max_restarts: int = 10  # failures in a row before a role is given up; 0: never restart (prfaas.services.supervisor)
 
 
 def _die_with_parent() -> None:
@@ -55,12 +62,20 @@ class Deployment:
     def __init__(self, options: UpOptions) -> None:
         if options.mode not in ("relay", "direct"):
             raise InvalidRequest("--mode must be relay or direct")
+        if options.engine not in ("prfaas", "vllm"):
+            raise InvalidRequest("--engine must be prfaas or vllm")
         if options.prefill < 1 or options.decode < 1:
             raise InvalidRequest("--prefill and --decode must be at least 1")
         self.options = options
-        self.children: list[subprocess.Popen[bytes]] = []
+        self.roles: list[Role] = []  # start order, router first; the supervisor watches this same list
+        self.supervisor = Supervisor(self.roles, RestartPolicy(max_restarts=options.max_restarts), _say)
         self.tls_dir = tempfile.mkdtemp(prefix="prfaas-tls-") if options.tls else None
         self.tls_configs = local.tls_configs(self.tls_dir, options.config) if self.tls_dir else {}
+
+    @property
+    def children(self) -> list[subprocess.Popen[bytes]]:
+        """Each role's current process, in start order."""
+        return [role.process for role in self.roles]
 
     @property
     def url(self) -> str:
@@ -87,7 +102,7 @@ class Deployment:
             self._spawn(["decode", "--instance-id", f"decode-{i}", "--datacenter", "dc-b", *self._model()])
 
     def _model(self) -> list[str]:
-        return ["--model", self.options.model, "--dtype", self.options.dtype]
+        return ["--model", self.options.model, "--dtype", self.options.dtype, "--engine", self.options.engine]
 
     def _spawn(self, args: list[str]) -> None:
         o = self.options
@@ -101,24 +116,37 @@ class Deployment:
             from prfaas.lab.placement import place, router_url
 
             cmd = place(args[0], [router_url(o.port) if a == self.url else a for a in cmd])
-        out = open(o.log_file, "ab") if o.log_file else None  # noqa: SIM115 (closed by the child's exit)
-        self.children.append(subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out, stderr=out))
-        if out:
-            out.close()
+        name = args[0] if args[0] == "router" else f"{args[0]} {args[2]}"  # args[2]: the --instance-id
+        self.roles.append(Role(name, lambda: self._popen(cmd), time.monotonic))
+
+    def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
+        out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115 (closed below)
+        try:
+            return subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out, stderr=out)
+        finally:
+            if out:
+                out.close()  # the child holds its own descriptor
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
         while time.monotonic() < deadline:
-            dead = [c for c in self.children if c.poll() is not None]
+            dead = [r for r in self.roles if r.process.poll() is not None]
             if dead:
-                role = " ".join(str(a) for a in list(dead[0].args)[3:6])  # type: ignore[arg-type]
-                raise PrfaasError(f"a role exited during start-up: {role} (exit {dead[0].returncode})")
+                raise PrfaasError(f"a role exited during start-up: {dead[0].name} (exit {dead[0].process.returncode})")
             with contextlib.suppress(httpx.HTTPError):
                 verify = local.ca_client_context(self.tls_configs["ca"]) if self.tls_dir else True
                 if httpx.get(f"{self.url}/health", timeout=2.0, verify=verify).status_code == 200:
                     return
             time.sleep(0.25)
         raise PrfaasError(f"the deployment was not healthy within {self.options.startup_timeout_s:.0f} s")
+
+    def supervise(self, stopping: Callable[[], bool]) -> None:
+        """Restart failed roles until ``stopping()`` or the router is gone for good (a clean exit: drained; or
+        given up). Returns without starting anything once ``stopping()`` is true."""
+        router = self.roles[0]
+        while not stopping() and not router.done:
+            self.supervisor.check()
+            time.sleep(SUPERVISE_INTERVAL_S)
 
     def stop(self) -> None:
         for child in reversed(self.children):
@@ -129,9 +157,13 @@ class Deployment:
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        self.children.clear()
+        self.roles.clear()
         if self.tls_dir:
             shutil.rmtree(self.tls_dir, ignore_errors=True)
+
+
+def _say(line: str) -> None:
+    print(f"prfaas up: {line}", flush=True)
 
 
 def _check_free(host: str, port: int) -> None:
@@ -160,15 +192,10 @@ def run_up(options: UpOptions) -> None:
         print(f"prfaas is up: {deployment.url}/v1 (mode {options.mode}, model {options.model}, "
               f"{options.prefill} prefill, {options.decode} decode"
               f"{', mutual TLS, CA ' + deployment.tls_configs['ca'] if options.tls else ''})", flush=True)
-        router, reported = deployment.children[0], set()
-        while not stop["now"] and router.poll() is None:  # a dead instance is the router's to route around
-            for child in deployment.children[1:]:
-                if child.poll() is not None and child.pid not in reported:
-                    reported.add(child.pid)
-                    print(f"a role exited (pid {child.pid}, code {child.returncode}); the router routes around "
-                          "it", flush=True)
-            time.sleep(0.2)
+        deployment.supervise(lambda: stop["now"])
     finally:
+        restarts = deployment.supervisor.restarts()
         deployment.stop()
-        print("prfaas stopped: every process has exited", flush=True)
+        counts = ", ".join(f"{name} {n}" for name, n in restarts.items())
+        print(f"prfaas stopped: every process has exited{'; restarts: ' + counts if counts else ''}", flush=True)
     os._exit(0) if stop["now"] else sys.exit(1)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import ssl as ssl_module
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 from prfaas.errors import KVTimeout, PrfaasError
@@ -34,22 +34,23 @@ EARLY_REPLY_S = 0.5
 async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable[bytes], *,
                ssl: ssl_module.SSLContext | None = None, timeout_s: float, idle_s: float = 30.0,
                deadline_s: float | None = None, limit: stats.InflightLimit | None = None, tenant: str = "",
-               ttl_s: float = 0.0) -> None:
+               ttl_s: float = 0.0, on_created: Callable[[], None] | None = None) -> None:
     """Stream blob ``kv_id`` (its frames: header, chunks, trailer) into the store at ``address`` as ``frames``
     yields them; returns once the store holds the whole blob, kept for ``tenant`` (its records say so) for
     ``ttl_s`` (0: the store's TTL). ``timeout_s`` bounds each network wait; ``idle_s``
     is how long the server waits for the next frame (the producer's pace). On failure the server aborts the
     blob (no partial blob is left) and its error (``KVStoreFull``, ``KVCorrupt``, …) is raised here; transport
     failures raise ``KVUnavailable``/``KVTruncated``/``KVTimeout``. No retry: ``frames`` cannot be replayed.
-    ``deadline_s`` bounds the whole push (``KVTimeout``); ``limit`` is ``max_inflight_kv``."""
+    ``deadline_s`` bounds the whole push (``KVTimeout``); ``limit`` is ``max_inflight_kv``. ``on_created`` is
+    called once the store has created the blob (its ``ack_created`` reply), before the rest is sent and stored."""
     recorder = stats.RECORDERS["push"]
     async with stats.maybe_slot(limit):
         recorder.started()
         start, sent = time.perf_counter(), [0]
         try:
             async with asyncio.timeout(deadline_s):
-                await _push(address, p.Put(kv_id, max(1, int(idle_s * 1000)), tenant, int(ttl_s * 1000)), frames, ssl,
-                            timeout_s, sent)
+                put = p.Put(kv_id, max(1, int(idle_s * 1000)), tenant, int(ttl_s * 1000), on_created is not None)
+                await _push(address, put, frames, ssl, timeout_s, sent, on_created)
         except TimeoutError as exc:
             recorder.finished(False, time.perf_counter() - start, 0, KVTimeout.code)
             raise KVTimeout(f"push {kv_id}: blob deadline of {deadline_s} s passed") from exc
@@ -60,10 +61,11 @@ async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable
 
 
 async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterable[bytes],
-                ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int]) -> None:
+                ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int],
+                on_created: Callable[[], None] | None) -> None:
     kv_id = put.kv_id
     conn = await connect(address, ssl, timeout_s)
-    reply = asyncio.create_task(p.read_message(conn))
+    reply = asyncio.create_task(_final_reply(conn, on_created))
     try:
         with mapped(f"push {kv_id}"):
             try:
@@ -90,6 +92,15 @@ async def _send_frames(conn: Conn, frames: AsyncIterable[bytes] | Iterable[bytes
             await conn.sendall(frame)
         if frame[:1] == b"C":
             sent[0] += len(frame) - CHUNK_HEAD_SIZE
+
+
+async def _final_reply(conn: Conn, on_created: Callable[[], None] | None) -> p.Message:
+    """The Put's last reply; with ``on_created``, the creation ``Ok`` before it is taken and reported first."""
+    message = await p.read_message(conn)
+    if on_created is None or not isinstance(message, p.Ok):
+        return message
+    on_created()
+    return await p.read_message(conn)
 
 
 async def _raise_early_reply(reply: asyncio.Task[p.Message]) -> None:

@@ -10,7 +10,7 @@ Every unit on the wire is a *frame* whose first byte says what it is::
 
 Exchanges (client → server, then server → client)::
 
-    Put(kv_id, wait_ms, tenant, ttl_ms)  P C* T    →  Ok | Error       push a blob into the server's store
+    Put(kv_id, wait_ms, tenant, ttl_ms, ack_created)  P C* T  →  [Ok] Ok | Error  push a blob into the store
     Get(kv_id, from_chunk, wait_ms, stride, offset) →  Ok P C* T | Error  read a blob (resume: from_chunk > 0)
     Release(kv_id)                                 →  DeletionRecord | Error
     Stat()                                         →  StoreStats | Error
@@ -21,17 +21,22 @@ the server closes the connection. A resumed Get re-sends the header frame (the r
 blob) and then the chunks from ``from_chunk``. A striped Get (``stride`` N > 1, one per connection) sends only the
 chunks ``i >= from_chunk`` with ``(i - from_chunk) % N == offset``, then the trailer: N connections share one blob.
 Fields with defaults (``stride``, ``offset``) may be left out by older peers.
+A Put with ``ack_created`` gets an extra ``Ok`` as soon as the blob exists in the store (readers may Get it from
+then on), before the final ``Ok`` once the trailer is in: the pusher can tell its readers the blob is there.
 ``wait_ms`` is how long the server waits for the next chunk that
 is still being written (Get) or for the next frame from the pusher (Put) before answering ``KV_TIMEOUT``.
 
 Every length read from the wire is bounded before anything is allocated, by the process's wire limits
 (``prfaas.security.limits``): control messages by ``max_message_bytes``, header/trailer metadata by
-``max_meta_bytes``, chunks by the blob's own chunk size (itself at most ``max_chunk_bytes``).
+``max_meta_bytes``, chunks by the blob's own chunk size (itself at most ``max_chunk_bytes``). Memory follows the
+bytes that arrived, not the lengths claimed: a request is read as a control frame only (any other tag is refused
+before its head is read), and a chunk over ``LAZY_FROM`` is received into memory committed as its payload arrives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import struct
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -55,6 +60,7 @@ from prfaas.transfer.wire import Conn
 
 PROTOCOL_VERSION = 1
 _MSG_HEAD = struct.Struct(">cII")
+LAZY_FROM = 1 << 20  # a larger chunk is received into memory committed as its bytes arrive (``_read_chunk``)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Put:
     wait_ms: int
     tenant: str = ""  # whose blob (its records carry it); "" = none
     ttl_ms: int = 0  # the blob's own TTL (a tenant's override); 0 = the store's
+    ack_created: bool = False  # answer Ok once the blob is created, then Ok again once it is whole
 
 
 @dataclass(frozen=True)
@@ -157,10 +164,10 @@ class Frame:
     index: int = 0
     checksum: int = 0
     message: Message | None = None
-    frame: bytes | bytearray | None = None
+    frame: bytes | bytearray | memoryview | None = None
 
     @property
-    def whole(self) -> bytes | bytearray:
+    def whole(self) -> bytes | bytearray | memoryview:
         return self.frame if self.frame is not None else self.head + bytes(self.data)
 
 
@@ -180,11 +187,8 @@ async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | 
             data = buffer(length)
             await conn.recv_exactly(data)
             return Frame(tag, head, data, index, checksum)
-        whole = bytearray(CHUNK_HEAD_SIZE + length)
-        whole[:CHUNK_HEAD_SIZE] = head
-        view = memoryview(whole)[CHUNK_HEAD_SIZE:]
-        await conn.recv_exactly(view)
-        return Frame(tag, head, view, index, checksum, frame=whole)
+        whole = await _read_chunk(conn, head, length)
+        return Frame(tag, head, memoryview(whole)[CHUNK_HEAD_SIZE:], index, checksum, frame=whole)
     if tag in (b"P", b"T"):
         head = tag + bytes(await conn.read_exactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1))
         rest = bytes(await conn.read_exactly(meta_length(head) + META_SUM_SIZE))
@@ -192,6 +196,26 @@ async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | 
     if tag == b"M":
         return Frame(tag, message=await _read_message_body(conn))
     raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
+
+
+async def _read_chunk(conn: Conn, head: bytes, length: int) -> bytearray | memoryview:
+    """A chunk frame (``head`` + ``length`` payload bytes) received in place into one buffer. Up to
+    ``LAZY_FROM`` bytes that is a ``bytearray`` (the default chunk size; the allocator hands back warm memory);
+    a larger chunk goes into anonymous memory that the kernel commits page by page as the payload is written
+    into it: no zero-fill pass, no copy, and a peer that claims a large chunk and sends little holds only the
+    pages it filled."""
+    whole = bytearray(CHUNK_HEAD_SIZE + length) if length <= LAZY_FROM else _lazy(CHUNK_HEAD_SIZE + length)
+    whole[:CHUNK_HEAD_SIZE] = head
+    await conn.recv_exactly(memoryview(whole)[CHUNK_HEAD_SIZE:])
+    return whole
+
+
+def _lazy(size: int) -> memoryview:
+    """``size`` bytes of private anonymous memory, committed as it is first written (kept alive by its views)."""
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where transparent huge pages are "madvise"
+    return memoryview(region)
 
 
 async def _read_message_body(conn: Conn) -> Message:
@@ -205,11 +229,13 @@ async def _read_message_body(conn: Conn) -> Message:
 
 
 async def read_message(conn: Conn) -> Message:
-    """Read one control frame; anything else is ``KVBadFormat``. An ``Error`` is returned, not raised."""
-    frame = await read_frame(conn)
-    if frame.message is None:
-        raise KVBadFormat(f"expected a control message, got a {frame.tag!r} frame")
-    return frame.message
+    """Read one control frame; anything else is ``KVBadFormat``, refused at its tag byte: a server reads a
+    request with this before it knows what the peer may do, so nothing a peer sends is buffered beyond
+    ``max_message_bytes`` before its request is authorised. An ``Error`` is returned, not raised."""
+    tag = bytes(await conn.read_exactly(1))
+    if tag != b"M":
+        raise KVBadFormat(f"expected a control message, got a {tag!r} frame")
+    return await _read_message_body(conn)
 
 
 def expect(message: Message, cls: type[Any]) -> Any:

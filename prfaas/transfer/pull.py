@@ -113,7 +113,7 @@ class _Attempt:
         self.on_layers, self.streams = on_layers, streams
         self.base = reader.next_chunk
         self.ready: dict[int, tuple[memoryview, int]] = {}
-        self.trailer: bytes | bytearray | None = None
+        self.trailer: bytes | bytearray | memoryview | None = None
         self.changed = asyncio.Event()
         self.draining = False
 

@@ -172,6 +172,8 @@ class TransferServer:
         with accessing(tenant=request.tenant):
             self.store.create(request.kv_id, frame, ttl_s=request.ttl_ms / 1000)
         try:
+            if request.ack_created:  # the pusher's readers may Get it from now on
+                await self._send(conn, p.encode(p.Ok()))
             while not await self._put_frame(request.kv_id, conn, header.chunk_size, wait_s):
                 pass
         except BaseException:
@@ -187,7 +189,7 @@ class TransferServer:
         except TimeoutError as exc:
             raise KVTimeout(f"pusher of {kv_id} sent nothing for {wait_s:.3f} s") from exc
         if frame.tag == b"C":
-            self.store.append(kv_id, frame.whole)  # type: ignore[arg-type]  # a bytearray: kept, not copied
+            self.store.append(kv_id, frame.whole)  # type: ignore[arg-type]  # bytes-like, kept as received
             return False
         if frame.tag == b"T":
             self.store.finish(kv_id, bytes(frame.whole))

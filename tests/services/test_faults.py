@@ -143,8 +143,9 @@ def test_rate_limit_answers_429(tmp_path: Path) -> None:
 
 def test_relay_killed_under_load_requests_fall_back(tmp_path: Path) -> None:
     """A store process (the relay) dies while requests run: every request still completes (a remote prefill that
-    fails before the first token falls back to local prefill), and new requests keep working without it."""
-    with deployment(MODEL, "relay", threshold=0) as (url, _):
+    fails before the first token falls back to local prefill), and new requests keep working without it (so
+    ``prfaas up`` must not restart it: tests/services/test_supervisor.py covers the restart)."""
+    with deployment(MODEL, "relay", threshold=0, extra=("--max-restarts", "0")) as (url, _):
         results: list[httpx.Response] = []
 
         def burst(n: int) -> None:
