@@ -36,6 +36,7 @@ class Registrar:
     registry)."""
 
     keys: Sequence[ApiKey] = ()
+    tls: bool = False  # the router serves TLS: a peer without a certificate must then bring a key
 
     @property
     def strict(self) -> bool:
@@ -48,7 +49,7 @@ class Registrar:
         if peer.name:
             return _by_certificate(peer, role, instance_id)
         if not self.keys:
-            return OPEN
+            return self._open()
         key = self._key(authorization)
         if self.strict and role not in (key.roles or ()):
             raise KVUnauthorized(f"API key {key.name!r} may not register an instance of role {role!r}")
@@ -58,7 +59,15 @@ class Registrar:
         """The owner ``peer`` speaks for (deregistration: it may remove only what it registered)."""
         if peer.name:
             return _owner(peer)
-        return f"key:{self._key(authorization).name}" if self.keys else OPEN
+        return f"key:{self._key(authorization).name}" if self.keys else self._open()
+
+    def _open(self) -> str:
+        """No certificate and no keys configured: only a router without TLS (bound to loopback,
+        ``apikeys.check_exposure``) lets such a peer register; with TLS on but not required, a client without a
+        certificate proves nothing and may reach a public port."""
+        if self.tls:
+            raise KVUnauthorized("registering with this router needs a prfaas role certificate (or an API key)")
+        return OPEN
 
     def _key(self, authorization: str) -> ApiKey:
         scheme, _, token = authorization.partition(" ")

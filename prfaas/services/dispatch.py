@@ -277,14 +277,15 @@ async def _events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
 
 def _refusal(reply: httpx.Response) -> PrfaasError:
     """What an instance's non-200 answer means. Its error body carries the code, except ``INVALID_REQUEST``'s
-    (null in the OpenAI body): a 4xx without a code is the request's fault, not the instance's."""
+    (null in the OpenAI body): a 400 or 422 without a code is the request's fault, not the instance's; any other
+    status without a code (a 404 from a wrong URL, a proxy's answer) is the instance's."""
     body: Any = {}
     if reply.headers.get("content-type", "").startswith("application/json"):
         with contextlib.suppress(ValueError):
             body = reply.json()
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {}
-    fallback = InvalidRequest.code if 400 <= reply.status_code < 500 else KVUnavailable.code
+    fallback = InvalidRequest.code if reply.status_code in (400, 422) else KVUnavailable.code
     exc = _error({"code": error.get("code") or fallback, "message": error.get("message") or
                   f"HTTP {reply.status_code}"})
     if isinstance(exc, InvalidRequest) and isinstance(error.get("param"), str):

@@ -57,7 +57,7 @@ class Heartbeat:
                 try:
                     reply = await client.post(f"{self.router_url}/internal/heartbeat", json=self.info().to_json())
                     if reply.status_code == 409:
-                        self.refused = reply.json().get("error", {}).get("message", "refused")
+                        self.refused = _message(reply) or "refused"
                         if self.on_refused:
                             self.on_refused(self.refused)
                             return
@@ -70,11 +70,18 @@ class Heartbeat:
     def _unauthorized(self, reply: httpx.Response) -> None:
         """The router refused our registration (wrong certificate or key for this role or id): say so once per
         reason, and keep trying (a fixed key or a restarted router lets us in)."""
-        try:
-            why = str(reply.json().get("error", {}).get("message", ""))
-        except ValueError:
-            why = reply.text[:200]
+        why = _message(reply)
         if why != self.unauthorized:
             self.unauthorized = why
             log.warning("the router at %s refused our registration (HTTP %d): %s", self.router_url,
                         reply.status_code, why)
+
+
+def _message(reply: httpx.Response) -> str:
+    """The message of the router's OpenAI error body, or the start of whatever else it sent (a proxy's page)."""
+    try:
+        body = reply.json()
+    except ValueError:
+        return reply.text[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    return str(error.get("message", "")) if isinstance(error, dict) else reply.text[:200]

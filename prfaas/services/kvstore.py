@@ -27,7 +27,7 @@ log = logging.getLogger("prfaas.store")
 
 def longest_ttl(config: Config) -> float:
     """The longest TTL a blob of this deployment may have: ``kv_ttl_seconds`` or a tenant's longer override.
-    The store refuses a Put asking for more (``KV_BAD_FORMAT``), so store holders need the tenants' policies."""
+    The store cuts a longer TTL asked on the wire to it (so store holders want the tenants' policies too)."""
     tenants = Tenants.from_config(config.tenants).policies.values()
     return max([config.kv_ttl_seconds, *(t.kv_ttl_seconds for t in tenants)])
 

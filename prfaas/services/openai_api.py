@@ -67,16 +67,16 @@ def parse(body: Any, chat: bool) -> CompletionRequest:
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for key in UNSUPPORTED:
         value = body.get(key)
-        if not (value is None or value is False or _empty(value) or (key == "top_logprobs" and _zero(value))):
+        if not (value is None or value is False or _empty(value) or _NOTHING.get(key, _MISSING) == value):
             raise InvalidRequest(f"'{key}' is not supported by prfaas; leave it out", param=key)
+
+
+_MISSING = object()
+_NOTHING: dict[str, Any] = {"top_logprobs": 0, "best_of": 1, "response_format": {"type": "text"}}  # the defaults
 
 
 def _empty(value: Any) -> bool:
     return isinstance(value, list | dict | str) and not value
-
-
-def _zero(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value == 0
 
 
 def _flag(body: dict[str, Any], key: str, name: str = "") -> bool:

@@ -250,7 +250,7 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
                             status_code=200 if router.ready() else 503)
 
-    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys))
+    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys), tls=tls_runtime.enabled())
     if registrar.keys and not registrar.strict and not tls_runtime.enabled():
         log.warning("no API key carries `roles`: any valid key may register instances of any role; give the "
                     "instances' keys roles (docs/security.md)")

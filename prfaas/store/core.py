@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 
-from prfaas.errors import InvalidRequest, KVBadFormat, KVStoreFull, KVTimeout, KVUnavailable, PrfaasError
+from prfaas.errors import InvalidRequest, KVStoreFull, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.store import access, checks
 from prfaas.store import records as r
 from prfaas.store.backend import HEADER, TRAILER, FrameBackend, MemoryBackend
@@ -39,7 +39,8 @@ class BlobStore:
     never call back into the store); ``on_access`` each ``AccessRecord``. ``owner`` is recorded as who made a
     local call when no ``prfaas.store.access.accessing`` block names someone else. A blob's own TTL (a Put's
     ``ttl_ms``, a tenant's override) may shorten or lengthen ``ttl_s`` up to ``max_ttl_s`` (default ``ttl_s``);
-    a longer one is refused, so no writer can keep a blob beyond what the configuration allows."""
+    a longer one is cut to it, so no writer can keep a blob beyond what the configuration allows, and a writer
+    whose tenant policy this store lacks still gets its blob stored."""
 
     def __init__(self, budget_bytes: int, ttl_s: float, on_delete: OnDelete | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time, *,
@@ -68,8 +69,8 @@ class BlobStore:
     def create(self, kv_id: str, header_frame: bytes, ttl_s: float = 0.0) -> None:
         """Start a blob (state writing), owned by the tenant of the current ``accessing`` block, with its own
         ``ttl_s`` when given (else the store's). ``InvalidRequest`` if ``kv_id`` is live or was used before, or
-        ``ttl_s`` is negative; ``KVBadFormat`` for a ``ttl_s`` over ``max_ttl_s``, ``KVBadFormat``/``KVCorrupt``
-        for a bad header frame or one naming another id,
+        ``ttl_s`` is negative (one over ``max_ttl_s`` is cut to it); ``KVBadFormat``/``KVCorrupt`` for a bad header
+        frame or one naming another id,
         ``KVStoreFull`` when even evicting idle ready blobs leaves no room, ``KVUnavailable`` after ``close`` or
         when the backend is down."""
         with self._audit(r.CREATE, kv_id, len(header_frame)):
@@ -77,7 +78,9 @@ class BlobStore:
             if ttl_s < 0:
                 raise InvalidRequest(f"blob TTL must be positive, not {ttl_s}")
             if ttl_s > self.max_ttl_s:  # a TTL comes off the wire: never let a writer pin memory past the config
-                raise KVBadFormat(f"blob TTL {ttl_s:g} s is over this store's limit of {self.max_ttl_s:g} s")
+                log.warning("blob %s asked for a TTL of %g s; kept for this store's longest, %g s", kv_id, ttl_s,
+                            self.max_ttl_s)
+                ttl_s = self.max_ttl_s
             with self._lock:
                 self._check_new(kv_id)
                 self._make_room(len(frame))

@@ -35,6 +35,7 @@ before its head is read), and a chunk over ``LAZY_FROM`` is received into memory
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import struct
@@ -125,7 +126,10 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "int 
 
 def encode(message: Message) -> bytes:
     """One control frame (``"M"`` head + msgpack body) for ``message``."""
-    body = msgpack.packb([PROTOCOL_VERSION, _TAG_OF[type(message)], asdict(message)], use_bin_type=True)
+    values = asdict(message)
+    if isinstance(message, Put) and not message.ack_created:
+        del values["ack_created"]  # older servers refuse unknown fields: only a Put that asks for the ack has it
+    body = msgpack.packb([PROTOCOL_VERSION, _TAG_OF[type(message)], values], use_bin_type=True)
     return _MSG_HEAD.pack(b"M", len(body), xxhash.xxh32_intdigest(body)) + body
 
 
@@ -214,7 +218,8 @@ def _lazy(size: int) -> memoryview:
     """``size`` bytes of private anonymous memory, committed as it is first written (kept alive by its views)."""
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where transparent huge pages are "madvise"
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages refuses the advice
+            region.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where transparent huge pages are "madvise"
     return memoryview(region)
 
 

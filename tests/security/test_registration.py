@@ -164,3 +164,20 @@ def test_key_roles_are_checked_and_instances_pick_their_own_key() -> None:
     assert credential(keys, "relay") == {"authorization": f"Bearer {RELAY_KEY}"}
     assert credential(keys, "prefill") == {}  # no key of its role: it registers with none and is refused
     assert credential([], "decode") == {}
+
+
+def test_with_tls_on_but_not_required_a_peer_without_a_certificate_cannot_register() -> None:
+    """TLS that is not required still admits clients without certificates (and lets the router bind a public
+    port): without keys, such a peer has proved nothing and must not register (a loopback router without TLS is
+    the one open case)."""
+    from prfaas.errors import KVUnauthorized
+    from prfaas.security.identity import Peer
+    from prfaas.security.registration import OPEN, Registrar
+
+    anonymous = Peer(None, "", "203.0.113.9:4000")
+    with pytest.raises(KVUnauthorized):
+        Registrar(tls=True).claim(anonymous, "", "decode", "decode-0")
+    with pytest.raises(KVUnauthorized):
+        Registrar(tls=True).identify(anonymous, "")
+    assert Registrar(tls=False).claim(anonymous, "", "decode", "decode-0") == OPEN
+    assert Registrar(tls=True).claim(Peer("decode", "decode", "x"), "", "decode", "decode-0") == "cert:decode/decode"

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 
 import psutil
 import pytest
@@ -34,14 +35,17 @@ MiB = 1 << 20
 
 
 @contextmanager
-def store_process(role: str = "relay", config: str | None = None) -> Iterator[tuple[str, psutil.Process]]:
+def store_process(role: str = "relay", config: str | None = None,
+                  log: Path | None = None) -> Iterator[tuple[str, psutil.Process]]:
     """``prfaas serve relay`` (or ``prefill``, whose store serves direct mode) with ``config`` (a YAML path), its
-    router unreachable (heartbeats fail quietly); yields its data-plane address and process."""
+    router unreachable (heartbeats fail quietly), its output in ``log`` if given; yields its data-plane address and
+    process."""
     kv_port = free_port()
     model = ["--model", "tiny-llama"] if role == "prefill" else []
     cmd = [sys.executable, "-m", "prfaas", "serve", role, "--router", f"http://127.0.0.1:{free_port()}",
            "--kv-port", str(kv_port), *model, *(["--config", config] if config else [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=out)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -56,6 +60,8 @@ def store_process(role: str = "relay", config: str | None = None) -> Iterator[tu
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
+        if log:
+            out.close()  # type: ignore[union-attr]
 
 
 def forged_head() -> bytes:

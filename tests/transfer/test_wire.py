@@ -107,3 +107,15 @@ def test_a_stalled_large_frame_times_out_and_a_reset_is_a_connection_error(tmp_p
                 await receiver.recv_exactly(view)
 
     pair(tmp_path, tls, scenario)
+
+
+def test_a_put_that_asks_for_no_ack_is_encoded_as_before() -> None:
+    """Older servers refuse unknown fields in a control message: a Put sends ``ack_created`` only when it asks for
+    the early acknowledgement, so every other Put still reaches an older relay."""
+    import msgpack
+
+    from prfaas.transfer import protocol as p
+
+    plain, acked = p.Put("k", 10), p.Put("k", 10, ack_created=True)
+    assert "ack_created" not in msgpack.unpackb(p.encode(plain)[9:])[2]
+    assert p.decode(p.encode(plain)[9:]) == plain and p.decode(p.encode(acked)[9:]) == acked
