@@ -11,10 +11,12 @@ and KV addresses. So the claim is bound to who sends it, the *registrant*, prove
 - else, when ``api_keys`` are configured, an API key (``Authorization: Bearer``): a key with ``roles`` may register
   only those roles; when no configured key carries ``roles`` (configs from before keys had them) any valid key may
   register any role. Once one key carries ``roles``, keys without them cannot register. Owner: ``key:<name>``.
-- else (no TLS, no keys: the router only binds loopback, ``apikeys.check_exposure``) nobody is checked. Owner "".
+- else, on a router without TLS and without keys (it only binds loopback, ``apikeys.check_exposure``), nobody is
+  checked: owner "". With TLS on but not required and no keys, such a peer proved nothing and is refused.
 
 The registry (``prfaas.services.registry``) binds each instance id to the owner that registered it: a heartbeat or
-deregister for a live id from another owner is refused, so one instance can neither take over nor remove another.
+deregister for a live id from another owner is refused, so one owner's instance can neither take over nor remove
+another owner's (instances sharing one certificate or key are one owner).
 Every refusal is ``KVUnauthorized`` (403), never a partial registration.
 """
 
