@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import yaml
 
+from prfaas.audit import verify
 from tests.conftest import random_prompt
 from tests.services.deploy import free_port
 
@@ -89,7 +90,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 @contextmanager
 def relay_deployment(tmp_path: Path) -> Iterator[tuple[str, WanProxy]]:
     config = tmp_path / "prfaas.yaml"
-    config.write_text(yaml.safe_dump({"offload_threshold_tokens": 0, "degrade_p99_ms": 5000}))
+    config.write_text(yaml.safe_dump({"offload_threshold_tokens": 0, "degrade_p99_ms": 5000,
+                                      "audit_log": str(tmp_path / "audit-{instance}.jsonl")}))
     router_port, kv_port = free_port(), free_port()
     proxy = WanProxy(kv_port)
     url = f"http://127.0.0.1:{router_port}"
@@ -148,3 +150,7 @@ def test_a_burst_of_remote_requests_never_reads_a_blob_before_the_relay_holds_it
             assert not failures, f"{info['instance_id']}: {failures}"
         assert metric_lines(url, "prfaas_router_link_degraded ") == ["prfaas_router_link_degraded 0.0"]
         assert sum(r["store"]["blobs"] for r in httpx.get(f"{url}/admin/kv", timeout=10).json().values()) == 0
+    verdicts = {chain.name: verify(chain) for chain in tmp_path.glob("audit-*.jsonl")}  # complete after shutdown
+    assert all(v.ok for v in verdicts.values()), {name: v.error for name, v in verdicts.items()}
+    relay = verdicts["audit-relay-0.jsonl"]  # the store's log: every blob created, and every one ended released
+    assert relay.created >= BURST and dict(relay.ended) == {"released": relay.created}, relay
