@@ -20,6 +20,8 @@ The supervisor only acts inside ``check()``; its owner stops calling it at shutd
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import signal
 import subprocess
 import time
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 from prfaas.errors import InvalidRequest
 
+_PR_SET_PDEATHSIG = 1
 CLEAN_SIGNALS = frozenset({signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE})
 
 
@@ -51,6 +54,13 @@ class RestartPolicy:
     def delay_s(self, failures: int) -> float:
         """The wait before restarting after the ``failures``-th failure in a row (1 for the first)."""
         return min(self.max_delay_s, self.first_delay_s * 2.0 ** (failures - 1))
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` for a child process: the kernel sends it SIGTERM when its parent dies (Linux), so no child
+    outlives the process that started it."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def failed(returncode: int) -> bool:

@@ -11,7 +11,6 @@ from the kernel if this process dies, so nothing is left behind.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -27,9 +26,8 @@ import httpx
 
 from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.security import local
-from prfaas.services.supervisor import RestartPolicy, Role, Supervisor
+from prfaas.services.supervisor import RestartPolicy, Role, Supervisor, die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 STOP_GRACE_S = 15.0
 SUPERVISE_INTERVAL_S = 0.2
 
@@ -52,10 +50,6 @@ class UpOptions:
     tls: bool = False  # mutual TLS 1.3 on every hop, certificates in a temporary directory (prfaas.security.local)
     max_restarts: int = 10  # failures in a row before a role is given up; 0: never restart (prfaas.services.supervisor)
 
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Deployment:
@@ -122,7 +116,7 @@ class Deployment:
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115 (closed below)
         try:
-            return subprocess.Popen(cmd, preexec_fn=_die_with_parent, stdout=out, stderr=out)
+            return subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=out)
         finally:
             if out:
                 out.close()  # the child holds its own descriptor

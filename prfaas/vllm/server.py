@@ -16,7 +16,6 @@ arguments for ``vllm serve``, shell-quoted).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -36,12 +35,12 @@ from typing import Any
 import httpx
 
 from prfaas.errors import InvalidRequest, KVUnavailable
+from prfaas.services.supervisor import die_with_parent
 
 log = logging.getLogger("prfaas.vllm")
 ROOT = Path(__file__).resolve().parents[2]
 STOP_S = 10.0  # SIGTERM to SIGKILL: inside `prfaas up`'s own grace for the instance
 POLL_S = 1.0
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,7 @@ class VllmServer:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         # vLLM logs to stdout; the instance's stdout is `prfaas up`'s line protocol, so vLLM's goes to stderr
         self.process = subprocess.Popen(self.command(), cwd=ROOT, env=env, start_new_session=True,
-                                        stdout=sys.stderr, preexec_fn=_die_with_parent)
+                                        stdout=sys.stderr, preexec_fn=die_with_parent)
         try:
             self._wait_healthy(float(os.environ.get("PRFAAS_VLLM_START_S", "600")))
             self.info = json.loads(Path(self.info_file).read_text())
@@ -197,8 +196,3 @@ def parse_load(text: str) -> Load:
 def _signal_group(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signum)
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -114,10 +114,8 @@ class VllmPrefill(_VllmService):
                               time.perf_counter() - arrived)
             yield {"event": "accepted"}
             yield done
-        except PrfaasError as exc:
-            yield {"event": "error", **exc.to_wire()}
-        except httpx.HTTPError as exc:
-            yield {"event": "error", **KVUnavailable(f"vLLM did not answer: {exc!r}").to_wire()}
+        except (PrfaasError, httpx.HTTPError) as exc:
+            yield _failure(exc)
 
     def _check(self, request: PrefillRequest) -> None:
         if len(request.token_ids) >= self.server.max_model_len:
@@ -165,10 +163,8 @@ class VllmDecode(_VllmService):
         try:
             async for event in self._stream(body):
                 yield event
-        except PrfaasError as exc:
-            yield {"event": "error", **exc.to_wire()}
-        except httpx.HTTPError as exc:
-            yield {"event": "error", **KVUnavailable(f"vLLM did not answer: {exc!r}").to_wire()}
+        except (PrfaasError, httpx.HTTPError) as exc:
+            yield _failure(exc)
 
     async def _stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         count, rest, reason, started = 0, "", "length", time.perf_counter()
@@ -227,3 +223,9 @@ def _message(body: Any) -> str:
         return str(body)[:300]
     error = body.get("error")
     return str(error.get("message") if isinstance(error, dict) else error or body.get("message", ""))[:300]
+
+
+def _failure(exc: PrfaasError | httpx.HTTPError) -> dict[str, Any]:
+    """The ``error`` event of a failed vLLM call: a prfaas error as it is, an HTTP failure as ``KV_UNAVAILABLE``."""
+    error = exc if isinstance(exc, PrfaasError) else KVUnavailable(f"vLLM did not answer: {exc!r}")
+    return {"event": "error", **error.to_wire()}
