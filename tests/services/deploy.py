@@ -54,7 +54,7 @@ def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...
         proc.wait(timeout=60)
         log.close()
         time.sleep(0.2)
-        left = [p for p in children if os.path.exists(f"/proc/{p}") and _alive(p)]
+        left = [p for p in children if os.path.exists(f"/proc/{p}") and alive(p)]
         assert not left, f"processes left behind: {left}"
 
 
@@ -91,9 +91,29 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie is not)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+@contextmanager
+def role_processes(commands: list[list[str]], url: str, start_s: float = 180.0) -> Iterator[None]:
+    """Run ``commands`` (one ``prfaas serve`` role each, output discarded) until the router at ``url`` is healthy;
+    on exit terminate them all and wait for each."""
+    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in commands]
+    try:
+        deadline = time.monotonic() + start_s
+        while time.monotonic() < deadline and not _healthy(url):
+            assert all(p.poll() is None for p in procs), "a role exited at start"
+            time.sleep(0.2)
+        assert _healthy(url), "the deployment did not come up"
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            assert proc.wait(timeout=60) is not None

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,7 +25,7 @@ import yaml
 
 from prfaas.audit import verify
 from tests.conftest import random_prompt
-from tests.services.deploy import free_port
+from tests.services.deploy import free_port, role_processes
 
 MODEL = "tiny-llama"
 BURST = 16
@@ -101,28 +99,12 @@ def relay_deployment(tmp_path: Path) -> Iterator[tuple[str, WanProxy]]:
               "--advertise-kv", f"127.0.0.1:{proxy.port}"],
              ["prefill", "--router", url, "--model", MODEL, "--instance-id", "prefill-0"],
              ["decode", "--router", url, "--model", MODEL, "--instance-id", "decode-0"]]
-    procs = [subprocess.Popen([*serve, *role, *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for role in roles]
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not _healthy(url):
-            assert all(p.poll() is None for p in procs), "a role exited at start"
-            time.sleep(0.2)
-        assert _healthy(url), "the deployment did not come up"
-        yield url, proxy
+        with role_processes([[*serve, *role, *common] for role in roles], url):
+            yield url, proxy
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            assert proc.wait(timeout=60) is not None
         proxy.close()
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def complete(url: str, i: int) -> dict[str, Any]:

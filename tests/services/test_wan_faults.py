@@ -22,7 +22,7 @@ import yaml
 
 from tests.conftest import get_engine, random_prompt
 from tests.exactness import near_ties_in_text
-from tests.services.deploy import free_port
+from tests.services.deploy import free_port, role_processes
 from tests.transfer.helpers import Fault, FaultProxy
 
 MODEL = "tiny-llama"
@@ -63,33 +63,16 @@ def faulty_wan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     url = f"http://127.0.0.1:{router_port}"
     common = ["--config", str(config)]
     serve = [sys.executable, "-m", "prfaas", "serve"]
-    procs = [subprocess.Popen([*serve, "router", "--port", str(router_port), "--mode", "direct", *common],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    procs += [subprocess.Popen([*serve, "prefill", "--router", url, "--model", MODEL, "--instance-id", "prefill-0",
-                                "--kv-port", str(kv_port), "--advertise-kv", f"127.0.0.1:{proxy.port}", *common],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    procs += [subprocess.Popen([*serve, "decode", "--router", url, "--model", MODEL, "--instance-id", "decode-0",
-                                *common], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    roles = [["router", "--port", str(router_port), "--mode", "direct"],
+             ["prefill", "--router", url, "--model", MODEL, "--instance-id", "prefill-0", "--kv-port", str(kv_port),
+              "--advertise-kv", f"127.0.0.1:{proxy.port}"],
+             ["decode", "--router", url, "--model", MODEL, "--instance-id", "decode-0"]]
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not _healthy(url):
-            assert all(p.poll() is None for p in procs), "a role exited at start"
-            time.sleep(0.2)
-        assert _healthy(url), "the deployment did not come up"
-        yield url, proxy
+        with role_processes([[*serve, *role, *common] for role in roles], url):
+            yield url, proxy
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            assert proc.wait(timeout=60) is not None
         proxy.close()
 
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _complete(url: str, prompt: list[int]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import IO, Any
 
 import httpx
 
-from tests.services.deploy import descendants, free_port
+from tests.services.deploy import alive, descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-vllm"
@@ -79,18 +79,10 @@ def stop(server: Server) -> list[int]:
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while (left := [p for p in children if _alive(p)]) and time.monotonic() < deadline:
+    while (left := [p for p in children if alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     server.log.close()
     return left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services.deploy import deployment, descendants
+from tests.services.deploy import alive, deployment, descendants
 from tests.vllm.servers import INSTALLED
 
 REQUEST_S = 120.0
@@ -172,14 +172,6 @@ def test_a_dead_vllm_server_stops_its_instance(up: tuple[str, Any]) -> None:
     line = _line_saying(proc, "decode decode-0 exited with code 1", DRAIN_S)
     assert "restarting" in line, line
     deadline = time.monotonic() + 15
-    while left := [p for p in engine if _alive(p)]:
+    while left := [p for p in engine if alive(p)]:
         assert time.monotonic() < deadline, f"the dead vLLM server left processes behind: {left}"
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
