@@ -17,7 +17,7 @@ import yaml
 from typer.testing import CliRunner
 
 from prfaas.cli import app
-from tests.services.deploy import _alive, deployment, descendants
+from tests.services.deploy import alive, deployment, descendants
 from tests.services.test_faults import MODEL
 
 KEY = "prfaas-test-key-" + "7" * 24
@@ -70,7 +70,7 @@ def _router_pid(up_pid: int) -> int:
 def _gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not alive(pid):
             return True
         time.sleep(0.05)
     return False

@@ -18,7 +18,7 @@ import pytest
 
 from prfaas.errors import InvalidRequest
 from prfaas.services.supervisor import RestartPolicy, Role, Supervisor, failed
-from tests.services.deploy import _alive, deployment, descendants
+from tests.services.deploy import alive, deployment, descendants
 from tests.services.test_faults import MODEL, complete, pid_of
 
 BACK_WITHIN_S = 30.0
@@ -147,4 +147,4 @@ def test_killed_relay_decode_and_router_are_restarted_and_serve_remote_again() -
         time.sleep(0.05)
     assert said[-1] == ("prfaas stopped: every process has exited; restarts: router 1, relay relay-0 1, "
                         "decode decode-0 1\n"), said
-    assert not [pid for pid in everything if _alive(pid)]  # the restarted ones too
+    assert not [pid for pid in everything if alive(pid)]  # the restarted ones too
