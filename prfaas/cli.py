@@ -4,6 +4,8 @@ inside the command functions so that ``prfaas --help`` and the light roles start
 from __future__ import annotations
 
 import typer
+from typer._click.core import Command, Context, Parameter
+from typer._click.exceptions import NoArgsIsHelpError
 
 from prfaas.errors import PrfaasError
 
@@ -71,8 +73,47 @@ app.add_typer(certs_app, name="certs")
 
 
 def main() -> None:
+    """Every failure a user can cause is one line on stderr and exit status 2: a bad option value or usage (the
+    parser's own message), and a ``PrfaasError`` from a command (its wire code and message)."""
+    command = typer.main.get_command(app)
+    polish(command)
     try:
-        app()
+        code = command.main(prog_name="prfaas", standalone_mode=False)
+    except NoArgsIsHelpError as exc:  # `prfaas lab`: the help, as click prints it
+        typer.echo(exc.format_message(), err=True)
+        raise SystemExit(2) from None
+    except typer.TyperException as exc:  # usage errors, bad parameter values, unreadable files
+        typer.echo(f"error: {exc.format_message()}{_hint(exc)}", err=True)
+        raise SystemExit(2) from None
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        raise SystemExit(1) from None
     except PrfaasError as exc:
         typer.echo(f"error: {exc.code}: {exc.message}", err=True)
         raise SystemExit(2) from exc
+    raise SystemExit(code if isinstance(code, int) else 0)
+
+
+def _hint(exc: Exception) -> str:
+    ctx = getattr(exc, "ctx", None)
+    return f" (see {ctx.command_path} --help)" if ctx is not None else ""
+
+
+def polish(command: Command) -> None:
+    """Help as a user reads it: a flag shows no value type (typer would print ``<bool>``), and a repeatable
+    option shows its element type once, marked repeatable, instead of ``<list[str]>``."""
+    for sub in getattr(command, "commands", {}).values():  # a group's sub-commands
+        polish(sub)
+    help_option = command.get_help_option(Context(command))  # made on first use; made here, it is polished too
+    for param in [*command.params, *([help_option] if help_option else [])]:
+        if param.metavar is None:
+            param.metavar = _metavar(param)
+
+
+def _metavar(param: Parameter) -> str | None:
+    if getattr(param, "is_flag", False):
+        return ""
+    if getattr(param, "multiple", False) or param.nargs == -1:
+        label = param.display_type(None)  # type: ignore[attr-defined]
+        return label.replace("list[", "").replace("]", "") + " …"
+    return None

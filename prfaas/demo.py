@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Console
 from rich.table import Table
+
+from prfaas import terminal
 
 
 def run_demo(model: str, prompt: str, codec: str, max_new_tokens: int) -> None:
     from prfaas.engine import load_engine
     from prfaas.engine.worker import DecodeWorker
 
-    console = Console()
+    console = terminal.console()
     console.rule("[bold]prfaas demo: prefill here, decode in another process")
     with console.status(f"loading {model} (the first run converts the embedded GGUF once)"):
         started = time.perf_counter()

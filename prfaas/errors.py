@@ -15,7 +15,16 @@
     ├── RateLimited                  RATE_LIMITED     429   yes (after Retry-After)
     ├── RequestTimeout               REQUEST_TIMEOUT  408   no   (an HTTP request head or body too slow to arrive)
     ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
+    │   ├── ModelNotFound            model_not_found  404   no   (a model this deployment does not serve)
+    │   └── ContextLengthExceeded    context_length_exceeded
+    │                                                 400   no   (prompt + max_tokens over the model's context)
+    ├── PromptRefused                PROMPT_REFUSED   400   no   (a tenant's redaction hook refused the prompt)
+    ├── Unreachable                  UNREACHABLE      503   yes  (a tool cannot connect to the server it was pointed at)
     └── LabUnavailable               LAB_UNAVAILABLE  500   no   (no root, namespaces or tools for prfaas lab)
+
+Conditions the OpenAI API names keep OpenAI's own lowercase code (``model_not_found``,
+``context_length_exceeded``; the API-key guard's ``invalid_api_key``), so a client written for OpenAI or vLLM
+recognises them; every other code is prfaas's. Every error body carries one (``prfaas.services.http``).
 
 Third-party errors are mapped at the boundary (``raise KVCorrupt(...) from exc``); callers that must decide per
 item receive errors as data (``error_from_code``).
@@ -131,11 +140,36 @@ class InvalidRequest(PrfaasError):
         self.param = param
 
 
+class ModelNotFound(InvalidRequest):
+    """The request's ``model`` is none this deployment serves: 404, as OpenAI and vLLM answer."""
+
+    code = "model_not_found"
+    http_status = 404
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, param="model")
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt plus ``max_tokens``, does not fit the model's context (OpenAI's code)."""
+
+    code = "context_length_exceeded"
+
+
 class PromptRefused(PrfaasError):
     """A tenant's redaction hook refused the prompt (``prfaas.tenancy.redact``)."""
 
     code = "PROMPT_REFUSED"
     http_status = 400
+
+
+class Unreachable(PrfaasError):
+    """A command-line tool (``prfaas probe run``, ``prfaas bench run``) cannot connect to the server it was given;
+    a KV peer that cannot be reached is ``KVUnavailable`` instead."""
+
+    code = "UNREACHABLE"
+    http_status = 503
+    retryable = True
 
 
 class LabUnavailable(PrfaasError):
@@ -149,9 +183,14 @@ _BY_CODE: dict[str, type[PrfaasError]] = {
     for cls in (
         KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
         KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, RequestTimeout, InvalidRequest,
-        PromptRefused,
+        ModelNotFound, ContextLengthExceeded, PromptRefused,
     )
 }
+
+
+def is_known(code: str) -> bool:
+    """Whether ``code`` names a class of this tree (a peer's body may carry another vocabulary's code)."""
+    return code in _BY_CODE
 
 
 def error_from_code(code: str, message: str) -> PrfaasError:

@@ -73,6 +73,7 @@ class InstanceInfo(Message):
     datacenter: str = ""
     fingerprint: dict[str, Any] = field(default_factory=dict)
     model: str = ""
+    model_root: str = ""  # the local directory its tokenizer loads from ("" for none): /v1/models' `root`
     max_seq_len: int = 0
     free_kv_bytes: int = 0
     kv_budget_bytes: int = 0
@@ -86,7 +87,7 @@ class InstanceInfo(Message):
     def __post_init__(self) -> None:
         """A heartbeat's fields have their JSON types, or ``InvalidRequest`` (400): the registry, the scheduler and
         the metrics use them as numbers, flags and text."""
-        for name in ("instance_id", "role", "url", "kv_address", "datacenter", "model", "config_hash"):
+        for name in ("instance_id", "role", "url", "kv_address", "datacenter", "model", "model_root", "config_hash"):
             check.text(getattr(self, name), name)
         for name in ("max_seq_len", "queue_depth"):
             check.integer(getattr(self, name), name, 0, 1 << 62)

@@ -39,6 +39,16 @@ def parse_duration(text: str | float) -> float:
     return _parse(str(text), _DURATION, "duration")
 
 
+def parse_fraction(text: str | float) -> float:
+    """``0.01`` / ``1%`` → a fraction within [0, 1] (loss rates, shares)."""
+    match = re.match(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(%?)\s*$", str(text), re.IGNORECASE)
+    value = (float(match.group(1)) / (100 if match.group(2) else 1)) if match else -1.0
+    if not 0 <= value <= 1:
+        raise InvalidRequest(f"cannot read fraction {text!r}: expected a number within [0, 1] or a percentage, "
+                             "e.g. 0.01 or 1%")
+    return value
+
+
 def parse_lengths(values: Iterable[str | int]) -> list[int]:
     """Repeatable flags and comma lists both work: ``["1024,8192", "512"]`` → ``[1024, 8192, 512]``."""
     out: list[int] = []

@@ -11,6 +11,8 @@ from typing import Any
 
 import httpx
 
+from prfaas.security.tls import handshake_hint, https_verify
+
 API_KEY_ENV = "PRFAAS_API_KEY"
 
 
@@ -19,10 +21,12 @@ class AdminError(Exception):
 
 
 class RouterClient:
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 10.0, ca: str | None = None) -> None:
+        """``ca``: the CA file an ``https://`` router's certificate is checked against (else the system's store)."""
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
+        self._verify = https_verify(ca)
 
     def __repr__(self) -> str:
         return f"RouterClient({self.url!r}, api_key={'set' if self._headers else 'none'})"
@@ -42,9 +46,10 @@ class RouterClient:
     def _call(self, method: str, path: str, body: Any) -> httpx.Response:
         try:
             return httpx.request(method, f"{self.url}{path}", json=body, headers=self._headers,
-                                 timeout=self.timeout_s)
+                                 timeout=self.timeout_s, verify=self._verify)
         except httpx.HTTPError as exc:
-            raise AdminError(f"cannot reach the router at {self.url}: {type(exc).__name__}") from None
+            said = f"{type(exc).__name__}{handshake_hint(exc)}"
+            raise AdminError(f"cannot reach the router at {self.url}: {said}") from None
 
     def _json(self, reply: httpx.Response, path: str) -> Any:
         self._check(reply, path)
@@ -59,3 +64,4 @@ class RouterClient:
             message = reply.text[:200]
         hint = f" (give the key with --api-key or ${API_KEY_ENV})" if reply.status_code == 401 else ""
         raise AdminError(f"{path}: HTTP {reply.status_code}: {message}{hint}")
+

@@ -17,10 +17,11 @@ from prfaas.audit.verify import Verdict, verify
 app = typer.Typer(help="Deletion proofs and access audit: verify hash-chained audit logs, answer questions.",
                   no_args_is_help=True)
 FILES = typer.Argument(..., exists=True, dir_okay=False, help="audit log files (JSON lines)")
+JSON = typer.Option(False, "--json", help="also print one JSON object on the last line")
 
 
 @app.command("verify")
-def verify_cmd(files: list[Path] = FILES, as_json: bool = typer.Option(False, "--json")) -> None:
+def verify_cmd(files: list[Path] = FILES, as_json: bool = JSON) -> None:
     """Check every hash link; print what each log records."""
     verdicts = [verify(f) for f in files]
     for v in verdicts:
@@ -33,7 +34,7 @@ def verify_cmd(files: list[Path] = FILES, as_json: bool = typer.Option(False, "-
 
 @app.command("report")
 def report_cmd(files: list[Path] = FILES, kv_id: str = typer.Option("", "--kv-id", help="one blob's story"),
-               as_json: bool = typer.Option(False, "--json")) -> None:
+               as_json: bool = JSON) -> None:
     """Was blob X deleted, when and why, and who accessed it; without ``--kv-id``, a summary of the logs."""
     found = entries(list(files))
     result = blob_story(found, kv_id) if kv_id else summary(found)

@@ -1,8 +1,9 @@
 """One streamed completion over the OpenAI API, timed: TTFT, inter-token gaps, E2E, output tokens, and the
 ``prfaas`` response field when the target is prfaas. Works against any OpenAI-compatible server (vLLM, SGLang).
 
-Never raises for a failed request: the failure is returned in ``RequestRecord.error`` (HTTP status or error code),
-so a load run always completes and counts it.
+Never raises for a failed request: the failure is returned in the record (``error``: the answer's error code, else
+``HTTP_<status>``, or the transport failure; ``status``: the HTTP status; ``message``: the answer's message), so a
+load run always completes and counts it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str | None = None
+    status: int | None = None  # HTTP status of a refused request (None: answered 200, or no answer at all)
+    message: str = ""  # what the target said about the failure
     prfaas: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -58,13 +61,14 @@ async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], epoch:
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout_s) as reply:
             if reply.status_code != 200:
-                record.error = _error_code(reply.status_code, await reply.aread())
+                record.status = reply.status_code
+                record.error, record.message = _error_of(reply.status_code, await reply.aread())
                 return record
             await _consume(reply, record, started)
     except httpx.TimeoutException:
         record.error = "TIMEOUT"
     except httpx.HTTPError as exc:
-        record.error = f"HTTP_ERROR: {type(exc).__name__}"
+        record.error, record.message = f"HTTP_ERROR: {type(exc).__name__}", str(exc)[:200]
     record.e2e_s = time.perf_counter() - started if record.error is None else None
     return record
 
@@ -79,6 +83,7 @@ async def _consume(reply: httpx.Response, record: RequestRecord, started: float)
         now = time.perf_counter()
         if "error" in event:
             record.error = str(event["error"].get("code") or event["error"].get("type") or "stream error")
+            record.message = str(event["error"].get("message") or "")[:200]
             return
         if event.get("choices"):
             choice = event["choices"][0]
@@ -97,9 +102,10 @@ async def _consume(reply: httpx.Response, record: RequestRecord, started: float)
         record.error = "NO_TOKENS"
 
 
-def _error_code(status: int, raw: bytes) -> str:
+def _error_of(status: int, raw: bytes) -> tuple[str, str]:
+    """(code, message) of a refusal: the OpenAI error body's code (else ``HTTP_<status>``) and message."""
     try:
-        error = json.loads(raw).get("error", {})
-        return str(error.get("code") or f"HTTP_{status}")
+        error = json.loads(raw).get("error") or {}
+        return str(error.get("code") or f"HTTP_{status}"), str(error.get("message") or "")[:200]
     except (ValueError, AttributeError):
-        return f"HTTP_{status}"
+        return f"HTTP_{status}", raw[:200].decode(errors="replace")

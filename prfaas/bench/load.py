@@ -15,6 +15,9 @@ import httpx
 
 from prfaas.bench.client import RequestRecord, request_body, send
 from prfaas.bench.matrix import Cell, Matrix
+from prfaas.bench.target import Verify
+from prfaas.errors import InvalidRequest, Unreachable
+from prfaas.security.tls import handshake_hint
 
 Tick = Callable[[float], None]  # called about once a second with the cell's elapsed time
 
@@ -25,7 +28,7 @@ def prompt(rng: random.Random, length: int, low: int, high: int) -> list[int]:
 
 
 async def run_cell(url: str, model: str, cell: Cell, matrix: Matrix, epoch: float, seed: int = 0,
-                   tick: Tick | None = None) -> list[RequestRecord]:
+                   tick: Tick | None = None, verify: Verify = True) -> list[RequestRecord]:
     """Run one cell against ``url``; return every request's record (failures included)."""
     rng = random.Random(f"{seed}-{cell.key}")
     records: list[RequestRecord] = []
@@ -46,7 +49,7 @@ async def run_cell(url: str, model: str, cell: Cell, matrix: Matrix, epoch: floa
                                 cell.output_len)
             records.append(await send(client, url, body, epoch, matrix.request_timeout_s))
 
-    async with httpx.AsyncClient(limits=limits, timeout=matrix.request_timeout_s) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=matrix.request_timeout_s, verify=verify) as client:
         workers = [asyncio.create_task(worker(client)) for _ in range(cell.concurrency)]
         ticker = asyncio.create_task(_tick(tick, started)) if tick else None
         await asyncio.gather(*workers)
@@ -61,11 +64,49 @@ async def _tick(tick: Tick, started: float) -> None:
         tick(time.perf_counter() - started)
 
 
-async def model_name(url: str) -> str:
+async def check_target(url: str, verify: Verify = True) -> None:
+    """``url`` is an http(s) base URL that answers (any status: a server that refuses ``/v1/models`` may still
+    serve completions); else ``InvalidRequest`` or ``Unreachable``, before any cell runs."""
+    if not url.startswith(("http://", "https://")):
+        raise InvalidRequest(f"a target is an http:// or https:// base URL, got {url!r}")
+    try:
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as client:
+            await client.get(f"{url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise Unreachable(f"cannot connect to {url} ({type(exc).__name__}){handshake_hint(exc)}") from None
+
+
+async def model_name(url: str, verify: Verify = True) -> str:
     """The first model the target lists at ``/v1/models`` ('' when it lists none or cannot say)."""
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as client:
             data = (await client.get(f"{url}/v1/models")).json().get("data") or []
     except (httpx.HTTPError, ValueError):
         return ""
     return str(data[0].get("id", "")) if data else ""
+
+
+async def token_bound(url: str, model: str, high: int, verify: Verify = True) -> int:
+    """The end of the token-id range the target accepts in a prompt, at most ``high``: ``high`` when it takes id
+    ``high - 1`` (or cannot say), else the target's vocabulary size, found by bisection over one-token prompts
+    (about 17 tiny requests). The OpenAI API does not publish a vocabulary size, but every server refuses an id
+    outside its vocabulary with a 4xx, so the answer is read from the target itself."""
+    async with httpx.AsyncClient(timeout=60.0, verify=verify) as client:
+        async def takes(token_id: int) -> bool | None:
+            body = {"prompt": [token_id], "max_tokens": 1, "temperature": 0.0, **({"model": model} if model else {})}
+            try:
+                status = (await client.post(f"{url}/v1/completions", json=body)).status_code
+            except httpx.HTTPError:
+                return None
+            return True if status == 200 else False if status in (400, 422) else None
+
+        if await takes(high - 1) is not False:
+            return high
+        accepted, refused = 0, high - 1  # invariant: ids ≤ accepted are taken, ``refused`` is not
+        while refused - accepted > 1:
+            middle = (accepted + refused) // 2
+            if await takes(middle):
+                accepted = middle
+            else:
+                refused = middle
+        return refused

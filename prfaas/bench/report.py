@@ -9,6 +9,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prfaas.bench.stats import describe_failures
+from prfaas.bench.verdict import verdict_line
+
 COLUMNS = ("cell", "n", "ok %", "TTFT P50", "TTFT P99", "TPOT P50", "ITL P99", "E2E P99", "tok/s", "goodput",
            "xfer ok %", "xfer P99", "retry %", "degr %", "KV on time", "verdict")
 
@@ -29,6 +32,9 @@ def row(cell: dict[str, Any]) -> list[str]:
     m, t = cell["metrics"], cell["metrics"]["transfer"]
     v = cell["verdict"]
     verdict = "reference" if v.get("reference") else "PASS" if v["pass"] else "FAIL: " + ", ".join(v["failed"])
+    failed = [f"{g['count']} × {'HTTP ' + str(g['status']) + ' ' if g['status'] else ''}{g['code']}"
+              for g in m.get("failures", [])]
+    verdict += f" ({', '.join(failed)} failed)" if failed else ""
     return [cell["key"], str(m["requests"]), _fmt(m["success_rate"], True), _fmt(m["ttft_ms"]["p50"]),
             _fmt(m["ttft_ms"]["p99"]), _fmt(m["tpot_ms"]["p50"]), _fmt(m["itl_ms"]["p99"]),
             _fmt(m["e2e_ms"]["p99"]), _fmt(m["output_tokens_per_s"]), _fmt(m["goodput_rps"]),
@@ -46,8 +52,8 @@ def markdown(results: dict[str, Any]) -> str:
     out = [f"# prfaas acceptance report: {meta['target']}", "",
            f"Started {meta['started']}; matrix {meta['matrix_source']}; network control: {meta['network_control']}; "
            f"baseline: {meta['baseline'] or 'none (absolute TTFT P99 limit)'}; model {meta.get('model') or '?'}; "
-           f"load average at the end {meta.get('loadavg_1m_at_end', '?')} on {meta.get('cpus', '?')} CPUs. "
-           f"Verdict: **{'PASS' if results['pass'] else 'FAIL'}**.", "",
+           f"load average at the end {meta.get('loadavg_1m_at_end', '?')} on {meta.get('cpus', '?')} CPUs; "
+           f"prompt token ids drawn from {_ids(meta)}. Verdict: **{verdict_line(results)}**.", "",
            "Latencies in ms; TTFT limits are the baseline × (1 + "
            f"{results['matrix']['acceptance']['ttft_overhead']}); transfer figures exclude requests that overlapped a "
            "fault window (shown separately in results.json).", "", table(results["cells"]), ""]
@@ -59,8 +65,18 @@ def markdown(results: dict[str, Any]) -> str:
         for c in (cell.get("verdict") or {}).get("checks", []):
             if c["pass"] is False:
                 out.append(f"- {cell['key']}: {c['name']} = {c['value']} (limit {c['limit']})")
+    out += ["", "## Failed requests", ""]
+    for cell in [*base, *results["cells"]]:
+        said = describe_failures((cell.get("metrics") or {}).get("failures", []))
+        if said:
+            out.append(f"- {cell['key']}: {said}")
     out += ["", f"Plot: {results.get('plot') or 'not drawn (' + str(results.get('plot_error')) + ')'}", ""]
     return "\n".join(out)
+
+
+def _ids(meta: dict[str, Any]) -> str:
+    low, high = meta.get("prompt_ids") or ("?", "?")
+    return f"[{low}, {high})"
 
 
 def write(out: Path, results: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ def summarize(records: list[RequestRecord], wall_s: float, windows: Sequence[tup
         if r.error:
             errors[r.error] = errors.get(r.error, 0) + 1
     return {
-        "requests": len(records), "ok": len(ok), "errors": errors,
+        "requests": len(records), "ok": len(ok), "errors": errors, "failures": failures(records),
         "success_rate": len(ok) / len(records) if records else None,
         "ttft_ms": latency([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_ms": latency([t for r in ok if (t := r.tpot_s) is not None]),
@@ -61,6 +61,24 @@ def summarize(records: list[RequestRecord], wall_s: float, windows: Sequence[tup
         "transfer": transfer_view([r for r in records if not in_window(r, windows)]),
         "transfer_in_fault": transfer_view([r for r in records if in_window(r, windows)]) if windows else None,
     }
+
+
+def failures(records: list[RequestRecord]) -> list[dict[str, Any]]:
+    """Failed requests grouped by HTTP status and error code, most frequent first, each with one message the
+    target gave (so a report says which error the requests got, not only that they failed)."""
+    groups: dict[tuple[int | None, str], dict[str, Any]] = {}
+    for r in records:
+        if not r.ok:
+            key = (r.status, r.error or "NO_TOKENS")
+            group = groups.setdefault(key, {"status": r.status, "code": key[1], "count": 0, "message": r.message})
+            group["count"] += 1
+    return sorted(groups.values(), key=lambda g: -g["count"])
+
+
+def describe_failures(groups: list[dict[str, Any]]) -> str:
+    """``12 × HTTP 400 invalid_request_error (token ids must be in [0, 600))``; '' when nothing failed."""
+    return "; ".join(f"{g['count']} × {'HTTP ' + str(g['status']) + ' ' if g['status'] else ''}{g['code']}"
+                     + (f" ({g['message']})" if g["message"] else "") for g in groups)
 
 
 def transfer_view(records: list[RequestRecord]) -> dict[str, Any]:

@@ -4,16 +4,19 @@ the router's ``/metrics``. Against another server (vLLM, SGLang) these are absen
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from typing import Any
 
 import httpx
 
+Verify = ssl.SSLContext | bool  # what an https:// target's certificate is checked against (prfaas.security.tls)
 
-async def kv_snapshot(url: str) -> dict[str, Any] | None:
+
+async def kv_snapshot(url: str, verify: Verify = True) -> dict[str, Any] | None:
     """Live blobs and deletion records of every store, or None when the target has no ``/admin/kv``."""
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as client:
             reply = await client.get(f"{url}/admin/kv")
     except httpx.HTTPError:
         return None
@@ -55,20 +58,20 @@ def kv_release(before: dict[str, Any] | None, after: dict[str, Any] | None, kv_i
     }
 
 
-async def settle(url: str, within_s: float) -> dict[str, Any] | None:
+async def settle(url: str, within_s: float, verify: Verify = True) -> dict[str, Any] | None:
     """Wait (bounded by ``within_s``) until no blob is live, then snapshot."""
     deadline = time.monotonic() + within_s
     while True:
-        snap = await kv_snapshot(url)
+        snap = await kv_snapshot(url, verify)
         if snap is None or snap["live_blobs"] == 0 or time.monotonic() > deadline:
             return snap
         await asyncio.sleep(0.25)
 
 
-async def metrics_text(url: str) -> str:
+async def metrics_text(url: str, verify: Verify = True) -> str:
     """The router's Prometheus text ('' when absent)."""
     try:
-        async with httpx.AsyncClient(timeout=10.0) as client:
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as client:
             reply = await client.get(f"{url}/metrics")
     except httpx.HTTPError:
         return ""
@@ -91,9 +94,9 @@ ROUTER_COUNTERS = ("prfaas_router_requests_total", "prfaas_router_fallbacks_tota
                    "prfaas_router_rate_limited_total", "prfaas_transfer_retries_total", "prfaas_transfer_bytes_total")
 
 
-async def router_counters(url: str) -> dict[str, float]:
+async def router_counters(url: str, verify: Verify = True) -> dict[str, float]:
     """The router's counters that a cell's report shows as differences (empty against a non-prfaas target)."""
-    text = await metrics_text(url)
+    text = await metrics_text(url, verify)
     return {name: metric_sum(text, name) for name in ROUTER_COUNTERS} if text else {}
 
 

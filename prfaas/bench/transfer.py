@@ -165,12 +165,13 @@ def transfer(
     chunk_kb: int = typer.Option(1024, "--chunk-kb", help="chunk size in KiB (1–8 MiB is the sane range)"),
     tls: bool = typer.Option(False, "--tls", help="TLS 1.3 on the data plane"),
     target: str = typer.Option("", help="HOST:PORT of a running store (default: start one on 127.0.0.1)"),
-    ca: str = typer.Option("", help="with --target --tls: the CA file that signed the target's certificate"),
+    ca: Path | None = typer.Option(None, "--ca", envvar="PRFAAS_CA", show_envvar=True, exists=True, dir_okay=False,
+                                   help="with --target --tls: the CA file that signed the target's certificate"),
     repeat: int = typer.Option(3, help="pulls to time (the best and the median are reported)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Push then pull a KV-shaped blob through the real store and transfer code; report goodput."""
-    out = run_bench(parse_size(size), streams, chunk_kb, tls, target or None, max(1, repeat), ca or None)
+    out = run_bench(parse_size(size), streams, chunk_kb, tls, target or None, max(1, repeat), str(ca) if ca else None)
     if as_json:
         typer.echo(json.dumps(out))
         return

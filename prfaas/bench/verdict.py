@@ -1,5 +1,5 @@
 """The pass/fail of one cell against the acceptance criteria, each check with its measured value and limit, so a
-failing report says why."""
+failing report says why; and the run's verdict over its cells, which is never PASS over a cell that did not run."""
 
 from __future__ import annotations
 
@@ -40,3 +40,27 @@ def judge(metrics: dict[str, Any], acceptance: Acceptance, baseline: dict[str, A
         checks.append({"name": "requests", "value": 0, "limit": 1, "pass": False})
     failed = [c["name"] for c in checks if c["pass"] is False]
     return {"pass": not failed, "failed": failed, "checks": checks}
+
+
+def overall(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run's verdict: ``PASS`` only when every cell ran and passed; ``FAIL`` when a cell that ran failed;
+    else ``NOT JUDGED`` (cells skipped, or none ran), with how many were skipped and why."""
+    judged = [c for c in cells if not c.get("skipped")]
+    reasons: dict[str, int] = {}
+    for c in cells:
+        if c.get("skipped"):
+            reasons[c["skipped"]] = reasons.get(c["skipped"], 0) + 1
+    failed = any(not c["verdict"]["pass"] for c in judged)
+    verdict = "FAIL" if failed else "PASS" if judged and not reasons else "NOT JUDGED"
+    return {"pass": verdict == "PASS", "verdict": verdict,
+            "skipped": {"cells": sum(reasons.values()), "of": len(cells), "reasons": reasons}}
+
+
+def verdict_line(results: dict[str, Any]) -> str:
+    """``PASS`` / ``FAIL`` / ``not judged: 3 of 4 cells skipped (no lab: …)``, as the report and stdout say it."""
+    skipped = results["skipped"]
+    why = "; ".join(f"{n} × {reason}" if n > 1 else reason for reason, n in skipped["reasons"].items())
+    note = f"{skipped['cells']} of {skipped['of']} cells skipped ({why})" if skipped["cells"] else ""
+    if results["verdict"] == "NOT JUDGED":
+        return f"not judged: {note or 'no cell ran'}"
+    return results["verdict"] + (f"; {note}" if note else "")

@@ -36,12 +36,14 @@ class Engine:
     """A loaded model with its tokenizer and compatibility fingerprint. Not thread-safe: one caller at a time."""
 
     keeps_kv = True  # restore() needs the KV bytes (a synthetic engine needs only their sizes)
+    root = ""  # the directory the tokenizer loads from, which load tools read; "" where there is none (synthetic)
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, fingerprint: Fingerprint) -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str, fingerprint: Fingerprint, root: str = "") -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.fingerprint = fingerprint
+        self.root = root
         self.config = model.config.get_text_config(decoder=True)
         self.device = next(model.parameters()).device
         self.max_seq_len = fingerprint.max_seq_len

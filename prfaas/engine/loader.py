@@ -32,9 +32,9 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
         torch.set_num_threads(threads)
     _quiet_transformers()
     attention.install()
-    model, tokenizer, name = _load(spec, DTYPES[dtype])
+    model, tokenizer, name, root = _load(spec, DTYPES[dtype])
     model.eval()
-    return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype))
+    return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype), root=str(root))
 
 
 def native_dtype() -> str:
@@ -55,7 +55,8 @@ def _quiet_transformers() -> None:
     logging.disable_progress_bar()
 
 
-def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str]:
+def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str, Path]:
+    """The model, its tokenizer, its served name and the directory the tokenizer came from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if spec in models.TINY_MODELS:
@@ -63,7 +64,8 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str]:
         with torch.random.fork_rng():
             torch.manual_seed(models.TINY_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        return model.to(dtype), AutoTokenizer.from_pretrained(models.smollm2_dir()), spec
+        tokenizer_dir = models.smollm2_dir()
+        return model.to(dtype), AutoTokenizer.from_pretrained(tokenizer_dir), spec, tokenizer_dir
     path = Path(spec).expanduser()
     if spec == models.SMOLLM2:
         directory, name = models.smollm2_dir(), spec
@@ -75,7 +77,7 @@ def _load(spec: str, dtype: torch.dtype) -> tuple[Any, Any, str]:
         raise InvalidRequest(f"unknown model {spec!r}: give a built-in name ({', '.join(models.BUILTIN_MODELS)}), "
                              "a Hugging Face model directory or a .gguf file")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    return model, AutoTokenizer.from_pretrained(directory), name
+    return model, AutoTokenizer.from_pretrained(directory), name, directory.resolve()
 
 
 def _gguf_name(path: Path) -> str:

@@ -12,7 +12,7 @@ import typer
 
 from prfaas.lab.lab import Lab
 from prfaas.lab.spec import LinkSettings
-from prfaas.units import parse_duration
+from prfaas.units import parse_duration, parse_fraction, parse_rate
 
 app = typer.Typer(help="Two datacenters on this host: namespaces dc-a and dc-b joined by a shaped veth WAN.",
                   no_args_is_help=True)
@@ -21,7 +21,7 @@ RATE = typer.Option(None, "--rate", help="WAN rate each way, e.g. 1gbit; 'none' 
 DELAY = typer.Option(None, "--delay", help="one-way delay each way, e.g. 10ms (RTT ≈ 2×)")
 JITTER = typer.Option(None, "--jitter", help="uniform ± jitter each way, e.g. 2ms")
 LOSS = typer.Option(None, "--loss", help="random loss each way, e.g. 0.01 or 1%")
-MTU = typer.Option(None, "--mtu", help="WAN MTU")
+MTU = typer.Option(None, "--mtu", min=576, max=65535, help="WAN MTU in bytes (default: unchanged, 1500 at lab up)")
 
 
 def _changes(rate: str | None, delay: str | None, jitter: str | None, loss: str | None,
@@ -29,12 +29,14 @@ def _changes(rate: str | None, delay: str | None, jitter: str | None, loss: str 
     changes: dict[str, Any] = {"mtu": mtu}
     if rate is not None:
         changes["rate"] = None if rate.lower() in ("none", "0", "") else rate
+        if changes["rate"] is not None:
+            parse_rate(rate)  # a bad value is refused before the lab is touched
     if delay is not None:
         changes["delay_ms"] = parse_duration(delay) * 1e3
     if jitter is not None:
         changes["jitter_ms"] = parse_duration(jitter) * 1e3
     if loss is not None:
-        changes["loss"] = float(loss[:-1]) / 100 if loss.endswith("%") else float(loss)
+        changes["loss"] = parse_fraction(loss)
     return changes
 
 

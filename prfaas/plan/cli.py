@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 import typer
-from rich.console import Console
 
+from prfaas.terminal import console
 from prfaas.units import parse_lengths, parse_rate
 
 app = typer.Typer(help="Feasibility: KV bytes per request, link verdicts, PrfaaS capacity.",
@@ -25,7 +25,7 @@ def _emit(out: dict[str, Any], as_json: bool, render: Any) -> None:
     if as_json:
         typer.echo(json.dumps(out))
     else:
-        render(out, Console())
+        render(out, console())
 
 
 @app.command("kv")
@@ -105,7 +105,8 @@ def link_cmd(
 
 @app.command("capacity")
 def capacity_cmd(
-    profile: str = typer.Option(..., help="speed profile of a PrfaaS prefill instance"),
+    profile: str = typer.Option(..., help="speed profile of a PrfaaS prefill instance (the last line of "
+                                "`prfaas measure --json`)"),
     local_profile: str | None = typer.Option(None, help="profile of a local instance (default: --profile)"),
     kv: str | None = typer.Option(None, "--kv", help="KV sizes file (default: the profile's kv)"),
     config: str | None = CONFIG, model: str | None = MODEL, dtype: str = DTYPE,

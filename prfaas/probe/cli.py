@@ -49,7 +49,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
     """Measure the link to a probe server; the JSON feeds ``prfaas plan link --link``."""
-    from prfaas.probe.client import ProbeConfig, run_probe
+    from prfaas.probe.client import ProbeConfig, check_reachable, run_probe
     from prfaas.probe.progress import probe_progress, render_result
 
     host, port = _target(target)
@@ -57,6 +57,7 @@ def run(
         raise InvalidRequest("--streams, --rtt-count and --udp-count must be at least 1")
     cfg = ProbeConfig(streams=streams, warmup_s=parse_duration(warmup), seconds=parse_duration(duration),
                       rtt_count=rtt_count, udp_count=udp_count, udp_interval_s=udp_interval_ms / 1e3)
+    check_reachable(host, port, cfg)
     with probe_progress() as step:
         result = run_probe(host, port, cfg, step)
     if as_json:

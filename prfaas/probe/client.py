@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from prfaas.errors import KVUnavailable
+from prfaas.errors import Unreachable
 from prfaas.probe.mtu import path_mtu
 from prfaas.probe.stats import jitter, percentile
 from prfaas.probe.wire import ECHO, read_line, recv_exact, send_line
@@ -61,7 +61,14 @@ def _connect(host: str, port: int, cfg: ProbeConfig) -> socket.socket:
     try:
         return socket.create_connection((host, port), timeout=cfg.connect_timeout_s)
     except OSError as exc:
-        raise KVUnavailable(f"probe server {host}:{port} unreachable: {exc}") from exc
+        raise Unreachable(f"cannot connect to a probe server at {host}:{port} ({exc.strerror or exc}); is "
+                          f"`prfaas probe serve --port {port}` running there?") from exc
+
+
+def check_reachable(host: str, port: int, cfg: ProbeConfig) -> None:
+    """Connect once and close (the server drops a connection that sends nothing); ``Unreachable`` when it fails,
+    so a probe to nothing says so before it draws any progress."""
+    _connect(host, port, cfg).close()
 
 
 def measure_rtt(host: str, port: int, cfg: ProbeConfig, progress: Progress) -> list[float]:

@@ -10,15 +10,15 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 
 from prfaas.probe.client import ProbeResult
+from prfaas.terminal import console
 
 STEPS = ("rtt", "bandwidth", "loss", "mtu")
 
 
 @contextmanager
 def probe_progress() -> Iterator[Callable[[str, float], None]]:
-    console = Console(stderr=True)
     with Progress(TextColumn("{task.description:>10}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  TimeElapsedColumn(), console=console, transient=False) as bar:
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=False) as bar:
         tasks: dict[str, TaskID] = {name: bar.add_task(name, total=1.0) for name in STEPS}
 
         def step(name: str, fraction: float) -> None:
@@ -34,4 +34,4 @@ def render_result(r: ProbeResult) -> None:
     t.add_row("jitter", f"{r.jitter_ms:.3f} ms")
     t.add_row("loss", f"{r.loss:.3%} ({r.udp_received}/{r.udp_sent} UDP echoed)")
     t.add_row("path MTU", f"{r.mtu} ({r.mtu_source})")
-    Console().print(t)
+    console().print(t)

@@ -23,7 +23,7 @@ def issue(role: str = typer.Option(..., "--role", help="router | prefill | decod
           name: str = typer.Option(..., "--name", help="instance name (the file is NAME.pem / NAME.key)"),
           directory: str = typer.Option(..., "--dir", help="the directory of `prfaas certs init`"),
           host: list[str] = typer.Option([], "--host", help="extra DNS name or IP the instance serves on"),
-          days: int = typer.Option(365, "--days")) -> None:
+          days: int = typer.Option(365, "--days", min=1, help="validity of the certificate")) -> None:
     """One more certificate, e.g. for a new prefill host: SAN spiffe://prfaas/ROLE/NAME plus --host names."""
     from prfaas.security import certs
 

@@ -62,6 +62,36 @@ def client_context(tls: TLSConfig) -> ssl.SSLContext:
     return ctx
 
 
+CA_ENV = "PRFAAS_CA"
+
+
+def https_verify(ca: str | None) -> ssl.SSLContext | bool:
+    """What a command-line client trusts over HTTPS (``--ca`` / ``$PRFAAS_CA``): the CA in ``ca`` (the ``ca.pem``
+    of ``prfaas certs init``, or the one ``prfaas up --tls`` prints) added to the system's trust store, or that
+    store alone (``True``; it honours ``SSL_CERT_FILE``). An unreadable file raises ``InvalidRequest``."""
+    if not ca:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"cannot read the CA file {ca!r} (--ca, ${CA_ENV}): {exc}") from exc
+
+
+def handshake_hint(exc: BaseException) -> str:
+    """Why a client's connection failed, when TLS is why (`` (TLS: …)``, else ''): an untrusted certificate is a
+    missing ``--ca``, not a dead server."""
+    cause: BaseException | None = exc
+    for _ in range(6):  # httpx → httpcore → ssl: the TLS error sits a few links down the chain
+        if cause is None or isinstance(cause, ssl.SSLError):
+            break
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f" (TLS: {cause.verify_message}; give the server's CA with --ca or ${CA_ENV})"
+    if isinstance(cause, ssl.SSLError):
+        return f" (TLS: {cause.reason or cause})"
+    return ""
+
+
 def _common(ctx: ssl.SSLContext, tls: TLSConfig) -> None:
     if not enabled(tls):
         raise InvalidRequest("tls: ca, cert and key must all be set")

@@ -6,6 +6,8 @@
   ``pool_weights_file`` set the change is kept there first (``prfaas.services.pool_weights``): a change that cannot
   be written is refused (500) and not applied.
 - ``GET /admin/signals``: the autoscaling signals (``prfaas.services.signals``).
+- ``GET /admin/prometheus/targets``: Prometheus HTTP service discovery, the router and every registered instance
+  with their role, instance id and datacenter (``prfaas.obs.discovery``; ``deploy/prometheus/prometheus.yml``).
 - ``POST /admin/drain/{instance_id}``: stop placing work on the instance at once and ask it to drain (it exits
   when done). 404 when unknown; 502 when the instance cannot be reached (it is still marked draining).
 - ``POST /admin/drain``: drain the router itself (``prfaas.services.drain.attach_router``; its ``Drain`` is
@@ -22,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS
+from prfaas.obs import discovery
 from prfaas.services import drain as drain_module
 from prfaas.services import http, jsonbody, pool_weights
 from prfaas.services.registry import pool_of
@@ -64,6 +67,11 @@ def install(app: FastAPI, router: Any) -> None:
         return router.signals.snapshot(registry.healthy("prefill"), registry.healthy("decode"),
                                        router.scheduler.speeds, router.config.offload_threshold_tokens)
 
+    @app.get("/admin/prometheus/targets")
+    async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
+        me = discovery.Target(_own_address(request), request.url.scheme, "router", "router", router.config.datacenter)
+        return discovery.target_groups(me, (info for info, _ in registry.all()))
+
     @app.post("/admin/drain/{instance_id}")
     async def drain(instance_id: str) -> JSONResponse:
         info = next((i for i, _ in registry.all() if i.instance_id == instance_id), None)
@@ -75,3 +83,10 @@ def install(app: FastAPI, router: Any) -> None:
         except (httpx.HTTPError, ValueError) as exc:
             return JSONResponse(http.error_body(502, f"{instance_id} marked draining but not reached: {exc}",
                                                 None), 502)
+
+
+def _own_address(request: Request) -> str:
+    """Where this request reached the router (the connection's local address, a real one even when the router
+    listens on 0.0.0.0): Prometheus scrapes the router where it found the discovery."""
+    server = request.scope.get("server")
+    return discovery.address(server[0], server[1]) if server else request.url.netloc

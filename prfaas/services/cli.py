@@ -9,7 +9,8 @@ from prfaas.config import Config, load_config
 serve_app = typer.Typer(help="Run one role of a deployment.", no_args_is_help=True)
 
 CONFIG = typer.Option(None, "--config", help="YAML config (default: $PRFAAS_CONFIG)")
-THRESHOLD = typer.Option(None, "--offload-threshold", help="prompts longer than this go to remote prefill")
+THRESHOLD = typer.Option(None, "--offload-threshold", help="prompts longer than this many tokens go to remote prefill "
+                         "(default: the config's offload_threshold_tokens, 256 when unset)")
 ROUTER = typer.Option(..., "--router", help="the router's URL, e.g. http://10.0.0.1:8000")
 HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
@@ -28,7 +29,7 @@ def _config(path: str | None, threshold: int | None, datacenter: str | None = No
 
 
 @serve_app.command()
-def router(host: str = HOST, port: int = typer.Option(8000, "--port"),
+def router(host: str = HOST, port: int = typer.Option(8000, "--port", help="the OpenAI API's port"),
            mode: str = typer.Option("relay", "--mode", help="relay | direct"),
            config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD,
            insecure: bool = typer.Option(False, "--insecure", help="serve a non-loopback address without API keys "
@@ -52,8 +53,11 @@ def _instance(role: str, router_url: str, instance_id: str, datacenter: str, mod
 
 
 def _role_command(role: str, default_dc: str, help_text: str) -> None:
-    def command(router_url: str = ROUTER, instance_id: str = typer.Option("", "--instance-id"),
-                datacenter: str = typer.Option(default_dc, "--datacenter"), model: str = MODEL,
+    def command(router_url: str = ROUTER,
+                instance_id: str = typer.Option("", "--instance-id", help=f"this instance's id in the router's "
+                                                f"registry (default: {role}-PORT)"),
+                datacenter: str = typer.Option(default_dc, "--datacenter", help="the datacenter label it registers "
+                                               "with (placement and data residency)"), model: str = MODEL,
                 dtype: str = DTYPE, host: str = HOST,
                 port: int = typer.Option(0, "--port", help="HTTP control port (0: any free port)"),
                 kv_port: int = typer.Option(0, "--kv-port", help="KV data port (0: any free port)"),
@@ -74,8 +78,10 @@ _role_command("relay", "dc-b", "A relay (datacenter B): holds KV blobs between p
 
 
 def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="relay | direct"),
-       port: int = typer.Option(8000, "--port"), prefill: int = typer.Option(1, "--prefill"),
-       decode: int = typer.Option(1, "--decode"), offload_threshold: int | None = THRESHOLD,
+       port: int = typer.Option(8000, "--port", help="the router's port (the other roles take free ports)"),
+       prefill: int = typer.Option(1, "--prefill", min=1, help="prefill instances"),
+       decode: int = typer.Option(1, "--decode", min=1, help="decode instances"),
+       offload_threshold: int | None = THRESHOLD,
        config: str | None = CONFIG, dtype: str = DTYPE, engine: str = ENGINE,
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
                                 "(`prfaas lab up` first)"),

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from prfaas.config import Config
-from prfaas.errors import InvalidRequest, KVNotFound, PrfaasError
+from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVNotFound, PrfaasError
 from prfaas.kv import BlobReader, KVState
 from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.obs import metrics
@@ -70,8 +70,8 @@ class DecodeService:
         field = "messages" if "messages" in body else "prompt"
         chars = text_length(body.get(field))
         if chars > self.max_prompt_chars:
-            raise InvalidRequest(f"the {field} has {chars} characters of text, more than this model's context of "
-                                 f"{self.engine.max_seq_len} tokens can hold", field)
+            raise ContextLengthExceeded(f"the {field} has {chars} characters of text, more than this model's "
+                                        f"context of {self.engine.max_seq_len} tokens can hold", field)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
         """Holds a reservation of the sequence's KV bytes (prompt + max_tokens) while it runs, so the free KV

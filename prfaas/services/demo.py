@@ -12,6 +12,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from prfaas import terminal
 from prfaas.services.up import Deployment, UpOptions
 
 SHORT = "What is the capital of France? Answer in one sentence."
@@ -26,7 +27,7 @@ LONG = ("Read this note and answer the question after it.\n\n"
 
 
 def run_full_demo(model: str, port: int, threshold: int, max_tokens: int) -> None:
-    console = Console()
+    console = terminal.console()
     for mode in ("relay", "direct"):
         console.rule(f"[bold]prfaas up --model {model} --mode {mode} --offload-threshold {threshold}")
         log = Path(tempfile.gettempdir()) / f"prfaas-demo-{mode}.log"

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from prfaas.config import Config
-from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError, PromptRefused, error_from_code
+from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError, PromptRefused, error_from_code, is_known
 from prfaas.kv import Fingerprint, new_kv_id
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, SamplingParams
 from prfaas.obs import metrics
@@ -269,16 +269,17 @@ def _decode_failed(exc: Exception, decode: InstanceInfo) -> bool:
 async def _events(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
     if reply.status_code != 200:
         await reply.aread()
-        raise _refusal(reply)
+        raise refusal(reply)
     async for line in reply.aiter_lines():
         if line.strip():
             yield json.loads(line)
 
 
-def _refusal(reply: httpx.Response) -> PrfaasError:
-    """What an instance's non-200 answer means. Its error body carries the code, except ``INVALID_REQUEST``'s
-    (null in the OpenAI body): a 400 or 422 without a code is the request's fault, not the instance's; any other
-    status without a code (a 404 from a wrong URL, a proxy's answer) is the instance's."""
+def refusal(reply: httpx.Response) -> PrfaasError:
+    """What an instance's non-200 answer means. Its error body carries a code of prfaas's tree; without one (a
+    proxy's answer, an older peer's null) or with another vocabulary's (``unknown_url``, an unexpected 500's
+    ``INTERNAL_ERROR``, vLLM's numeric codes), a 400 or 422 is the request's fault and any other status (a 404
+    from a wrong URL) the instance's."""
     body: Any = {}
     if reply.headers.get("content-type", "").startswith("application/json"):
         with contextlib.suppress(ValueError):
@@ -286,8 +287,9 @@ def _refusal(reply: httpx.Response) -> PrfaasError:
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {}
     fallback = InvalidRequest.code if reply.status_code in (400, 422) else KVUnavailable.code
-    exc = _error({"code": error.get("code") or fallback, "message": error.get("message") or
-                  f"HTTP {reply.status_code}"})
+    code = error.get("code")
+    exc = _error({"code": code if isinstance(code, str) and is_known(code) else fallback,
+                  "message": error.get("message") or f"HTTP {reply.status_code}"})
     if isinstance(exc, InvalidRequest) and isinstance(error.get("param"), str):
         exc.param = error["param"]
     return exc

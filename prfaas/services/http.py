@@ -1,11 +1,11 @@
 """Shared HTTP plumbing: uvicorn on a pre-bound socket (port 0 works), OpenAI-style errors, NDJSON streams.
 
 Every answer of every role's app is either its route's own or an OpenAI error body
-``{"error": {"message", "type", "code", "param"}}``: ``install_error_handlers`` renders prfaas errors, unknown routes
-(404), wrong methods (405) and anything unexpected (500); ``ErrorBoundary``, the outermost layer ``serve`` puts
-around the app, logs each unexpected exception once with its traceback and answers 500 for one raised outside the
-app's own handlers (a middleware). Request bodies become JSON in one place, ``prfaas.services.jsonbody``; the
-server's read timeouts are ``prfaas.security.readtimeout``.
+``{"error": {"message", "type", "code", "param"}}`` whose ``code`` is never null: ``install_error_handlers``
+renders prfaas errors, unknown routes (404), wrong methods (405) and anything unexpected (500); ``ErrorBoundary``,
+the outermost layer ``serve`` puts around the app, logs each unexpected exception once with its traceback and
+answers 500 for one raised outside the app's own handlers (a middleware). Request bodies become JSON in one place,
+``prfaas.services.jsonbody``; the server's read timeouts are ``prfaas.security.readtimeout``.
 """
 
 from __future__ import annotations
@@ -22,14 +22,20 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from prfaas.errors import InvalidRequest, PrfaasError
 from prfaas.obs import metrics
 
+# OpenAI's `type` per status (it answers an unknown model or URL with a 404 of type invalid_request_error).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
                 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+# The body's `code` where no prfaas error is at hand: OpenAI's `unknown_url` for a route that does not exist,
+# else a prfaas code by status, so that no error body has a null code.
+UNKNOWN_URL = "unknown_url"
+_STATUS_CODES = {400: InvalidRequest.code, 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 500: "INTERNAL_ERROR"}
 log = logging.getLogger("prfaas.http")
 
 
@@ -50,15 +56,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def error_body(status: int, message: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    """The OpenAI error body; without ``code``, the status's own (``_STATUS_CODES``)."""
     kind = _ERROR_TYPES.get(status, "server_error")
+    code = code or _STATUS_CODES.get(status, _STATUS_CODES[500])
     return {"error": {"message": message, "type": kind, "code": code, "param": param}}
 
 
 def error_response(exc: PrfaasError) -> JSONResponse:
     retry_after = getattr(exc, "retry_after_s", 1)
     headers = {"Retry-After": str(retry_after)} if exc.retryable and exc.http_status in (429, 503) else None
-    code = None if isinstance(exc, InvalidRequest) else exc.code
-    return JSONResponse(error_body(exc.http_status, exc.message, code, getattr(exc, "param", None)),
+    return JSONResponse(error_body(exc.http_status, exc.message, exc.code, getattr(exc, "param", None)),
                         status_code=exc.http_status,
                         headers=headers)
 
@@ -72,7 +79,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _routing(request: Request, exc: HTTPException) -> JSONResponse:
         message = _ROUTING.get(exc.status_code, "{detail}").format(
             method=request.method, path=request.url.path, detail=exc.detail)
-        return JSONResponse(error_body(exc.status_code, message, None), status_code=exc.status_code,
+        code = UNKNOWN_URL if exc.status_code == 404 else None
+        return JSONResponse(error_body(exc.status_code, message, code), status_code=exc.status_code,
                             headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
@@ -83,9 +91,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, _INTERNAL, None), status_code=500)
 
+
+def install_metrics(app: FastAPI, registries: tuple[CollectorRegistry, ...]) -> None:
+    """``GET /metrics``: the series of the components this process runs (``prfaas.obs.metrics.served``)."""
     @app.get("/metrics")
     async def _metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(registries), media_type="text/plain; version=0.0.4")
 
 
 _ROUTING = {404: "Invalid URL ({method} {path})", 405: "Method {method} is not allowed on {path}"}

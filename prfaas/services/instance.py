@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from prfaas.config import Config
 from prfaas.messages import InstanceInfo
+from prfaas.obs import metrics
 from prfaas.security import guards
 from prfaas.security import runtime as tls_runtime
 from prfaas.security.apikeys import parse_keys
@@ -67,11 +68,13 @@ class Instance:
         self.store = self.kv.store if self.kv else None
         self.fingerprint: dict[str, Any] = {}
         self.model, self.max_seq_len = options.model, 0
+        self.model_root = ""  # where the engine's tokenizer loads from (InstanceInfo.model_root)
         self.load: Callable[[], dict[str, int]] = lambda: {}
         self.closers: list[Callable[[], None]] = []  # run once at shutdown, last first (an engine's child process)
         self.exit_code = 0  # non-zero once ``fail`` was called: the process exits with it, so a supervisor restarts it
         self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
         http.install_error_handlers(self.app)
+        http.install_metrics(self.app, metrics.served(options.role, options.engine))
         self.drain = drain.attach(self)  # SIGTERM / POST /admin/drain: finish, then exit (drain.py)
         guards.protect_instance(self.app, self.kv._accessed if self.kv else None, config, options.instance_id)
         self._routes()
@@ -82,7 +85,8 @@ class Instance:
         return InstanceInfo.from_json({
             "instance_id": self.options.instance_id, "role": self.options.role, "url": self.url,
             "kv_address": self.kv_address, "datacenter": self.config.datacenter, "fingerprint": self.fingerprint,
-            "model": self.model, "max_seq_len": self.max_seq_len, "draining": self.drain.draining,
+            "model": self.model, "model_root": self.model_root, "max_seq_len": self.max_seq_len,
+            "draining": self.drain.draining,
             "config_hash": self.config.digest(), **self.load()})
 
     async def run(self) -> None:

@@ -169,3 +169,10 @@ def chunk(req: CompletionRequest, rid: str, model: str, text: str | None, finish
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
     return {"id": rid, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def model_card(name: str, root: str, max_model_len: int) -> dict[str, Any]:
+    """One entry of ``/v1/models`` in vLLM's shape (OpenAI's four fields plus ``root``, ``parent`` and
+    ``max_model_len``)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "prfaas", "root": root, "parent": None,
+            "max_model_len": max_model_len}

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prfaas.errors import InvalidRequest, KVIncompatible, KVUnauthorized
+from prfaas.errors import KVIncompatible, KVUnauthorized, ModelNotFound
 from prfaas.kv import Fingerprint
 from prfaas.messages import InstanceInfo
 from prfaas.obs import metrics
@@ -127,15 +127,16 @@ class Registry:
                 and (pool is None or not e.info.fingerprint or pool_of(e.info) == pool)]
 
     def choose_pool(self, model: str, rng: random.Random) -> str:
-        """The pool a new request goes to: the one ``model`` names (a model name or pool key), else a draw by the
-        configured weights among pools with a healthy decode instance; a name that several live pools share (a
-        rolling upgrade keeps the name) is drawn among them by weight. "" only while no model is known."""
+        """The pool a new request goes to: the one ``model`` names (a model name, pool key or root), else a draw by
+        the configured weights among pools with a healthy decode instance; a name that several live pools share (a
+        rolling upgrade keeps the name) is drawn among them by weight; ``ModelNotFound`` (404) for a name no pool
+        has. "" only while no model is known."""
         live = {pool_of(i) for i in self.healthy("decode")} & set(self.models)
         if model:
-            named = sorted(k for k in self.models if model in (k, self.models[k].model))
+            named = sorted(k for k in self.models if model in (k, self.models[k].model, *self.roots(k)))
             if not named and self.models:
-                raise InvalidRequest(f"model {model!r} is not served here; this deployment serves "
-                                     f"{sorted({f.model for f in self.models.values()})}")
+                raise ModelNotFound(f"The model `{model}` does not exist or is not served here; this deployment serves "
+                                    f"{sorted({f.model for f in self.models.values()})}")
             serving = [k for k in named if k in live]  # one name, several pools: an upgrade in progress
             if len(serving) < 2:
                 return next(iter(serving), named[0] if named else "")
@@ -144,6 +145,11 @@ class Registry:
         if not weights or sum(weights.values()) <= 0:
             return next(iter(weights), next(iter(sorted(self.models)), ""))
         return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+    def roots(self, pool: str) -> list[str]:
+        """The directories that the live decode instances of ``pool`` load their tokenizer from (``model_root``):
+        what ``/v1/models`` names as the model's ``root``, and another name a request may give the model by."""
+        return sorted({i.model_root for i in self.healthy("decode", pool) if i.model_root})
 
     def all(self) -> list[tuple[InstanceInfo, bool]]:
         now = self.clock()

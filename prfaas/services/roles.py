@@ -55,6 +55,7 @@ def build(options: InstanceOptions, config: Config) -> Instance:
         raise ValueError(f"unknown role {options.role!r}")
     instance.fingerprint = engine.fingerprint.to_wire()
     instance.model, instance.max_seq_len = engine.name, engine.max_seq_len
+    instance.model_root = engine.root
     return instance
 
 

@@ -22,7 +22,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from prfaas.config import Config
-from prfaas.errors import InvalidRequest, KVIncompatible, KVUnauthorized, KVUnavailable, PrfaasError, RateLimited
+from prfaas.errors import (
+    ContextLengthExceeded,
+    InvalidRequest,
+    KVIncompatible,
+    KVUnauthorized,
+    KVUnavailable,
+    ModelNotFound,
+    PrfaasError,
+    RateLimited,
+)
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Scheduler
@@ -32,7 +41,7 @@ from prfaas.security import runtime as tls_runtime
 from prfaas.security.asgi import peer_of
 from prfaas.security.identity import Peer
 from prfaas.services import admin_routes, drain, http, jsonbody, openai_api, pool_weights
-from prfaas.services.dispatch import Dispatcher, Job
+from prfaas.services.dispatch import Dispatcher, Job, refusal
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
 from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, metering, redact
@@ -64,6 +73,22 @@ class Router:
     @property
     def model_name(self) -> str:
         return self.registry.fingerprint.model if self.registry.fingerprint else ""
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``/v1/models``: each model name served, the deployment's first. ``root`` is the directory its decode
+        instances load the tokenizer from, as vLLM answers (``vllm bench serve`` without ``--model`` loads the
+        tokenizer from it; every load tool given it as the model name does), and a request may name the model by
+        it; ``max_model_len`` is the context its decode instances take."""
+        names = dict.fromkeys([self.model_name, *(f.model for f in self.registry.models.values())])
+        return [openai_api.model_card(name, *self._served(name)) for name in names if name]
+
+    def _served(self, name: str) -> tuple[str, int]:
+        """(root, context) of a model name; the name itself as root where no decode instance gave one."""
+        pools = [key for key, fingerprint in self.registry.models.items() if fingerprint.model == name]
+        roots = [root for key in pools for root in self.registry.roots(key)]
+        lengths = [i.max_seq_len for key in pools for i in self.registry.healthy("decode", key) if i.max_seq_len]
+        context = min(lengths) if lengths else self.registry.models[pools[0]].max_seq_len
+        return (roots[0] if roots else name), context
 
     async def complete(self, body: Any, chat: bool, tenant: str = DEFAULT_TENANT) -> Any:
         try:
@@ -119,12 +144,13 @@ class Router:
     async def _job(self, req: openai_api.CompletionRequest, decode: InstanceInfo) -> Job:
         reply = await self.client.post(f"{decode.url}/tokenize", json=req.tokenize_body())
         if reply.status_code != 200:
-            raise InvalidRequest(reply.json().get("error", {}).get("message", "cannot tokenize the prompt"))
+            raise refusal(reply)  # its code and param as the decode instance gave them
         ids = reply.json()["token_ids"]
         room = decode.max_seq_len - len(ids)
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
-            raise InvalidRequest(f"this model's maximum context length is {decode.max_seq_len} tokens; the "
-                                 f"request has {len(ids)} prompt tokens and asks for {req.max_tokens or 1} more")
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {decode.max_seq_len} tokens; the request has {len(ids)} "
+                f"prompt tokens and asks for {req.max_tokens or 1} more", param="messages" if req.chat else "prompt")
         max_tokens = req.max_tokens or min(openai_api.DEFAULT_MAX_TOKENS, room)
         sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                   seed=req.seed if req.seed is not None else secrets.randbits(31))
@@ -223,6 +249,7 @@ def create_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="prfaas router", lifespan=lifespan)
     http.install_error_handlers(app)
+    http.install_metrics(app, metrics.served("router"))
     admin_routes.install(app, router)
 
     @app.exception_handler(httpx.TransportError)
@@ -241,8 +268,14 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [{"id": router.model_name, "object": "model", "created": 0, "owned_by": "prfaas"}]
-        return {"object": "list", "data": data if router.model_name else []}
+        return {"object": "list", "data": router.model_cards()}
+
+    @app.get("/v1/models/{model:path}")  # a root is a path: it holds slashes
+    async def model_card(model: str) -> dict[str, Any]:
+        card = next((c for c in router.model_cards() if model in (c["id"], c["root"])), None)
+        if card is None:
+            raise ModelNotFound(f"The model `{model}` does not exist or is not served here")
+        return card
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -9,6 +9,7 @@ import pytest
 
 from prfaas.bench.matrix import from_dict, load_matrix
 from prfaas.bench.report import write
+from prfaas.bench.verdict import overall, verdict_line
 from prfaas.errors import InvalidRequest
 
 
@@ -50,7 +51,8 @@ def test_report_is_written_with_table_verdicts_and_plot(tmp_path: Path) -> None:
                "cells": [{"key": "in8-out4-c1-cut", "metrics": metrics, "verdict": failing, "records": records,
                           "fault_window": [0.2, 0.4], "span": [0.0, 1.0]},
                          {"key": "in8-out4-c1-loss", "network": "loss", "skipped": "no lab"}],
-               "samples": [{"t": 1.0, "cpu_percent": 50.0, "mem_used_mb": 100, "wan_gbps": 0.1}], "pass": False}
+               "samples": [{"t": 1.0, "cpu_percent": 50.0, "mem_used_mb": 100, "wan_gbps": 0.1}]}
+    results.update(overall(results["cells"]))
     write(tmp_path, results)
     md = (tmp_path / "report.md").read_text()
     assert "| in8-out4-c1-cut |" in md and "FAIL: degrade_rate" in md and "skipped: no lab" in md
@@ -59,3 +61,15 @@ def test_report_is_written_with_table_verdicts_and_plot(tmp_path: Path) -> None:
     assert "<pre>" in (tmp_path / "report.html").read_text()
     plotted = json.loads((tmp_path / "results.json").read_text()).get("plot")
     assert plotted is None or (tmp_path / "report.png").stat().st_size > 1000
+
+
+def test_a_run_with_skipped_cells_is_not_judged_and_says_why() -> None:
+    passed = {"key": "in8-out4-c1-normal", "verdict": {"pass": True}}
+    skipped = [{"key": f"in8-out4-c1-{n}", "skipped": "no lab: lab not up"} for n in ("delay", "loss", "cut")]
+    results = overall([passed, *skipped])
+    assert results["pass"] is False and results["verdict"] == "NOT JUDGED"
+    assert verdict_line(results) == "not judged: 3 of 4 cells skipped (3 × no lab: lab not up)"
+    assert overall([passed])["verdict"] == "PASS" and verdict_line(overall([passed])) == "PASS"
+    failing = overall([{"key": "x", "verdict": {"pass": False}}, *skipped[:1]])
+    assert failing["verdict"] == "FAIL" and verdict_line(failing).startswith("FAIL; 1 of 2 cells skipped")
+    assert overall([])["verdict"] == "NOT JUDGED" and verdict_line(overall([])) == "not judged: no cell ran"

@@ -40,4 +40,7 @@ def test_bench_run_against_a_tiny_deployment_writes_a_full_report(tmp_path: Path
         assert set(m["resources"]) >= {"cpu_percent_mean", "wan_gbps_mean"}
         assert {c["name"] for c in cell["verdict"]["checks"]} >= {"ttft_p50_ms", "ttft_p99_ms", "success_rate"}
     assert (out / "report.md").exists() and (out / "report.html").exists()
-    assert ("PASS" in done.stdout) == (done.returncode == 0)
+    assert ("acceptance: PASS" in done.stdout) == (done.returncode == 0)
+    if no_lab:  # skipped cells: never a PASS, and the verdict says how many and why
+        assert results["verdict"] != "PASS" and done.returncode == 1
+        assert "cells skipped (2 × no lab" in done.stdout, done.stdout[-500:]

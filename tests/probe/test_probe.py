@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from prfaas.cli import app
-from prfaas.errors import KVUnavailable
+from prfaas.errors import Unreachable
 from prfaas.probe import ProbeServer, run_probe
 from prfaas.probe.client import ProbeConfig
 from prfaas.probe.stats import jitter, percentile
@@ -37,11 +37,11 @@ def test_loopback_measures_everything(server: ProbeServer) -> None:
     assert r.mtu >= 1500
 
 
-def test_unreachable_is_kv_unavailable() -> None:
+def test_unreachable_says_it_cannot_connect() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind((LOOPBACK, 0))
         port = s.getsockname()[1]
-    with pytest.raises(KVUnavailable):
+    with pytest.raises(Unreachable, match="cannot connect to a probe server"):
         run_probe(LOOPBACK, port, QUICK)
 
 

@@ -76,7 +76,7 @@ def test_a_restarted_router_process_keeps_the_canary_weights(tmp_path: Path) -> 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with _router(port, config):
-        out = CliRunner().invoke(app, ["admin", "weight", "m-v2", "5", "--router", url])
+        out = CliRunner().invoke(app, ["admin", "weight", "m-v2", "5", "--admit", "--router", url])
         assert out.exit_code == 0 and f"weights kept in {tmp_path / 'weights.json'}" in out.output, out.output
     with _router(port, config):
         assert httpx.get(f"{url}/admin/pools", timeout=10).json()["configured"] == {"m": 100, "m-v2": 5}
