@@ -18,10 +18,14 @@ Scheduler side (vLLM's scheduler process): decides what to save or load each ste
 completes — every prompt block of every layer, the earlier steps' blocks included, since each layer's cache holds
 the whole prompt by the time that layer runs in that step. Consumer: a request with ``do_remote_prefill`` reports
 ``prompt - 1`` external tokens, loaded asynchronously (vLLM computes the last prompt token itself, for its logits).
+Hybrid models (vLLM's KV cache groups): a sliding-window group is carried from the block holding the first token in
+the window of the prompt's last one (the consumer holds vLLM's null block before it); for a model with a Mamba
+state group the producer prefills all but the prompt's last token, since a state cannot be rolled back a token.
 
 Worker side: producer — ``save_kv_layer`` copies the request's whole blocks of that layer out of the paged cache
 (the only work on vLLM's thread) and hands them to the data plane (``prfaas.vllm.dataplane``), which encodes and
-sends each chunk as soon as it is full, while later layers compute; ``wait_for_save`` closes the blob. Nothing
+sends each chunk as soon as it is full, while later layers compute; ``wait_for_save`` adds the state layers
+(vLLM hands attention layers only to ``save_kv_layer``) and closes the blob. Nothing
 holds vLLM's blocks after the step, so ``request_finished`` never delays their freeing. Consumer — ``start_load_kv``
 starts the pull; at each step's end ``get_transfer_results`` checks the finished pulls on vLLM's thread: the
 fingerprint and every layer's block shape and dtype are verified, the blocks written into the request's blocks, the
@@ -61,27 +65,27 @@ LOAD_MARGIN_S = 2.0  # past the pull's own deadline, the worker gives up on it e
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Save request ``req_id``'s first ``blocks[g]`` blocks of each group ``g`` as blob ``kv_id``, into the store
-    at ``address`` (this producer's own, or a relay's)."""
+    """Save request ``req_id``'s blocks ``block_ids[g]`` of each group ``g`` (its block table's positions
+    ``first[g]``…, in order) as blob ``kv_id``, into the store at ``address`` (this producer's own, or a relay's)."""
 
     req_id: str
     kv_id: str
     address: str
     tokens: int
     block_ids: tuple[list[int], ...]
-    blocks: tuple[int, ...]
+    first: tuple[int, ...]
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load blob ``kv_id`` from ``address`` into blocks ``block_ids[g][first[g]:]``; ``block_ids`` empty: only
-    release it (the request needs none of it)."""
+    """Load blob ``kv_id`` from ``address`` into blocks ``block_ids[g]``, which sit at ``positions[g]`` of the
+    request's block table of group ``g``; ``block_ids`` empty: only release it (the request needs none of it)."""
 
     req_id: str
     kv_id: str
     address: str
     block_ids: tuple[list[int], ...] = ()
-    first: tuple[int, ...] = ()
+    positions: tuple[list[int], ...] = ()
 
 
 @dataclass
@@ -130,6 +134,23 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self._local: dict[str, int] = {}  # req_id → tokens computed locally when the external ones were counted
         self._saves: list[SaveSpec] = []
         self._loads: list[LoadSpec] = []
+        self._held_back: set[str] = set()  # req_ids whose last prompt token the producer does not compute
+        self._has_state = any(g.is_state for g in self.groups)
+
+    def on_new_request(self, request: Any) -> None:
+        """A producer of a model with state (Mamba) groups prefills all but the prompt's last token: the consumer
+        computes that token itself, for its logits, from the state after the others; a state that already
+        includes it cannot be rolled back."""
+        params = request.kv_transfer_params or {}
+        if not (self.producer and self._has_state and params.get("do_remote_decode")):
+            return
+        if request.num_prompt_tokens < 2 or request.prompt_token_ids is None or request.prompt_is_token_ids is not None:
+            return  # nothing to hold back, or a prompt of embeddings: the consumer recomputes it
+        request.prompt_token_ids.pop()
+        request._all_token_ids.pop()  # the list behind vLLM's read-only all_token_ids view
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        self._held_back.add(request.request_id)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
@@ -151,10 +172,11 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             self._loads.append(LoadSpec(request.request_id, params["kv_id"], params["kv_address"]))
             return
         ids = self._block_ids(request.request_id, blocks)
-        needed = [g.blocks_for(local + num_external_tokens) for g in self.groups]
+        null = self._null_block()
+        fill = [layout.to_fill(b[:g.blocks_for(local + num_external_tokens)], local // g.block_size, null)
+                for b, g in zip(ids, self.groups, strict=True)]
         self._loads.append(LoadSpec(request.request_id, params["kv_id"], params["kv_address"],
-                                    tuple(list(b[:n]) for b, n in zip(ids, needed, strict=True)),
-                                    tuple(local // g.block_size for g in self.groups)))
+                                    tuple(f[0] for f in fill), tuple(f[1] for f in fill)))
 
     def _produce(self, request: Any, params: dict[str, Any]) -> None:
         try:
@@ -179,15 +201,38 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         ids = manager.get_block_ids(req_id) if manager is not None else blocks.get_block_ids()
         return tuple(list(group) for group in ids)
 
+    def _null_block(self) -> int:
+        """vLLM's null block (what a sliding window's block table holds before the window): block 0 of the pool."""
+        manager = getattr(self, "_kv_cache_manager", None)
+        return int(manager.block_pool.null_block.block_id) if manager is not None else 0
+
+    def _save_spec(self, req_id: str, kv_id: str, address: str, tokens: int) -> SaveSpec | None:
+        """What a consumer of this prompt needs: the blocks of every group's block table from the first one in the
+        window of the prompt's last token (vLLM's consumer holds null blocks before it; a state group's last
+        block is its state), through the last block computed. None (logged) if one of them was already freed,
+        which vLLM's window rule never does."""
+        held_back = req_id in self._held_back
+        self._held_back.discard(req_id)
+        if self._has_state and not held_back:
+            log.warning("request %s: its state includes the last prompt token; its KV is not sent", req_id)
+            return None
+        loaded = tokens if held_back else tokens - 1  # what the consumer will load
+        first = tuple(g.skipped_blocks(loaded) for g in self.groups)
+        ids = tuple(list(b[f:g.blocks_for(tokens)])
+                    for b, f, g in zip(self._block_ids(req_id, None), first, self.groups, strict=True))
+        if any(self._null_block() in b for b in ids):
+            log.warning("request %s: a block its consumer needs was already freed; its KV is not sent", req_id)
+            return None
+        return SaveSpec(req_id, kv_id, address, tokens, ids, first)
+
     def build_connector_meta(self, scheduler_output: Any) -> PrfaasMetadata:
         for req_id, (request, kv_id, address) in list(self._producing.items()):
             if self._prefill_completes(scheduler_output, req_id, request.num_prompt_tokens):
-                tokens = int(request.num_prompt_tokens)
-                spec = SaveSpec(req_id, kv_id, address, tokens, self._block_ids(req_id, None),
-                                tuple(g.blocks_for(tokens) for g in self.groups))
-                self._saves.append(spec)
-                self._saved[req_id] = spec
                 del self._producing[req_id]
+                spec = self._save_spec(req_id, kv_id, address, int(request.num_prompt_tokens))
+                if spec is not None:
+                    self._saves.append(spec)
+                    self._saved[req_id] = spec
         meta = PrfaasMetadata(saves=self._saves, loads=self._loads)
         self._saves, self._loads = [], []
         return meta
@@ -215,6 +260,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         req_id = request.request_id
         self._producing.pop(req_id, None)
         self._local.pop(req_id, None)
+        self._held_back.discard(req_id)
         params = request.kv_transfer_params or {}
         if params.get("do_remote_prefill") and _valid_source(params):  # finished before it was ever scheduled
             params["do_remote_prefill"] = False
@@ -224,7 +270,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         return False, {"do_remote_prefill": True, "do_remote_decode": False, "kv_id": saved.kv_id,
                        "kv_address": saved.address, "kv_tokens": saved.tokens,
-                       "kv_bytes": sum(n * b for n, b in zip(saved.blocks, self.block_bytes, strict=True)),
+                       "kv_bytes": sum(len(i) * b for i, b in zip(saved.block_ids, self.block_bytes, strict=True)),
                        "kv_engine": "prfaas"}
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
@@ -249,9 +295,14 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self._bad_blocks: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self._caches = {name: cache for name, cache in kv_caches.items() if name in self._group_of}
+        # The blob's layer table must list the layers in the order they are saved: attention layers as the forward
+        # pass reaches them (vLLM's dict is in group order: a hybrid's sliding layers first), then the state
+        # layers, copied once the step's forward pass is over.
+        names = sorted((name for name in kv_caches if name in self._group_of),
+                       key=lambda name: (self._group_of[name].is_state, layout.forward_order(name)))
+        self._caches = {name: kv_caches[name] for name in names}
         self._index = {name: i for i, name in enumerate(self._caches)}
-        self._table = tuple({"index": i, "kind": self._group_of[name].kind, "grows": True,
+        self._table = tuple({"index": i, "kind": self._group_of[name].kind, "grows": not self._group_of[name].is_state,
                              "window": self._group_of[name].window} for i, name in enumerate(self._caches))
 
     # -- producer ---------------------------------------------------------------------------------------------------
@@ -263,10 +314,15 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for spec in meta.saves:
             self._begin(spec)
-            blocks = layout.gather(kv_layer, spec.block_ids[group.index][:spec.blocks[group.index]])
-            entry = self._table[self._index[layer_name]]
-            self.plane.add_layer(spec.kv_id, LayerState(tensors={layout.TENSOR: blocks},
-                                                        attrs={"layer": layer_name}, **entry))
+            self._add_layer(spec, layer_name, kv_layer)
+
+    def _add_layer(self, spec: SaveSpec, layer_name: str, kv_layer: Any) -> None:
+        assert self.plane is not None
+        group = self._group_of[layer_name]
+        blocks = layout.gather(kv_layer, spec.block_ids[group.index])
+        entry = self._table[self._index[layer_name]]
+        attrs = {"layer": layer_name, "first_block": spec.first[group.index]}
+        self.plane.add_layer(spec.kv_id, LayerState(tensors={layout.TENSOR: blocks}, attrs=attrs, **entry))
 
     def _begin(self, spec: SaveSpec) -> None:
         if spec.kv_id in self._begun or self.plane is None:
@@ -283,6 +339,9 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             return
         for spec in meta.saves:
             self._begin(spec)
+            for name, cache in self._caches.items():  # vLLM hands attention layers only to save_kv_layer
+                if self._group_of[name].is_state:
+                    self._add_layer(spec, name, cache)
             self.plane.finish(spec.kv_id)
             self._begun.discard(spec.kv_id)
 
@@ -319,7 +378,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                             code, exc)
                 failed.add(req_id)
                 if len(self.groups) == 1:  # vLLM maps block-level errors back to requests for one group only
-                    self._bad_blocks.update(load.spec.block_ids[0][load.spec.first[0]:])
+                    self._bad_blocks.update(load.spec.block_ids[0])
             self._release(load.spec)  # used or refused, the blob is not needed any more (gone: logged)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
@@ -347,9 +406,10 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
             for layer in state.layers:
                 name = layer.attrs["layer"]
                 group = self._group_of[name]
-                ids = spec.block_ids[group.index][spec.first[group.index]:]
-                blocks = layer.tensors[layout.TENSOR][spec.first[group.index]:]
-                layout.scatter(self._caches[name], ids, blocks)
+                blocks = layer.tensors[layout.TENSOR]
+                index = layout.blob_indices(spec.positions[group.index], int(layer.attrs.get("first_block", 0)),
+                                            blocks.shape[0])
+                layout.scatter(self._caches[name], spec.block_ids[group.index], blocks[index])
         finally:
             del state  # the pull's arena is reused once nothing refers to it
 

@@ -5,13 +5,18 @@ it: an event loop started from the worker shares the worker's core and stalls be
 then hangs until the next step). So the loop thread widens its own affinity to every CPU before it runs, and the
 threads it starts (prfaas's verify pool) inherit that.
 
-What runs on the loop: the producer's ``BlobWriter`` (codec, chunking, xxHash64) and either the store it writes into
-(direct mode: a ``BlobStore`` served by a ``TransferServer``, the consumer pulls from it) or a ``push`` into the
-relay's store (relay mode); the consumer's ``pull`` (striped, resuming, retried, deadline) and ``release``.
-Everything the worker hands over is plain numpy (no torch here). Calls from the worker thread return at once:
-producer calls are queued in order (``call_soon_threadsafe``), consumer calls return a
-``concurrent.futures.Future``. A producer's failure aborts its blob and is logged: the consumer then finds no
-blob (``KV_NOT_FOUND``) or a cut one (``KV_TRUNCATED``) and vLLM recomputes.
+What runs where. The worker thread (vLLM's) only queues: each saved layer (plain numpy, no torch here) goes to
+the encoder thread, which runs the producer's ``BlobWriter`` (codec, chunking, xxHash64) and hands the frames to
+the blob's sink (``prfaas.services.sinks``, as prfaas's own prefill does): direct mode, a ``BlobStore`` served by
+a ``TransferServer`` (the consumer pulls from it); relay mode, a bounded push into the relay's store. The loop
+thread: the store, the pushes, the consumer's ``pull`` (striped, resuming, retried, deadline) and ``release``.
+
+Memory is bounded: a push holds at most ``PUSH_QUEUE_BYTES`` the relay has not taken; beyond that the encoder
+waits (for at most ``kv_transfer_timeout_s``, then the push is refused and the rest of its blob dropped), and
+the worker waits once it is ``ENCODE_QUEUE`` layers ahead of the encoder — back-pressure onto the forward pass,
+as on prfaas's engine. Consumer calls return a ``concurrent.futures.Future``. A producer's failure aborts its
+blob and is logged: the consumer then finds no blob (``KV_NOT_FOUND``) or a cut one (``KV_TRUNCATED``) and vLLM
+recomputes.
 """
 
 from __future__ import annotations
@@ -22,21 +27,25 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from prfaas.errors import KVNotFound, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import BlobHeader, BlobReader, BlobWriter
 from prfaas.kv.state import KVState, LayerState
 from prfaas.security import tls as tls_contexts
+from prfaas.security.dataplane import DataPlaneGuard
+from prfaas.services.sinks import FrameSink, PushSink, StoreSink
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
 from prfaas.transfer.server import TransferServer
 from prfaas.vllm.settings import ConnectorSettings, split_address
 
 log = logging.getLogger("vllm.prfaas")  # under vLLM's logger: its handlers and format
+ENCODE_QUEUE = 4  # layers (copies of their blocks) the worker may be ahead of the encoder thread
 START_S = 10.0  # the loop thread and the direct-mode server must be up within this
 CLOSE_S = 5.0
 SWEEP_S = 1.0
@@ -54,98 +63,72 @@ def unpin_current_thread() -> None:
 
 
 class _Outgoing:
-    """One blob being written, on the loop: frames go to the local store, or into the push to the relay."""
+    """One blob being written. The encoder thread encodes each layer (``BlobWriter``: codec, chunking, xxHash64)
+    and hands its frames to the blob's sink — this producer's store (``StoreSink``, direct mode) or the push to
+    the relay (``PushSink``, relay mode), which holds at most ``PUSH_QUEUE_BYTES`` the relay has not taken yet:
+    beyond that the encoder waits for at most ``kv_transfer_timeout_s``, then the push is refused and the rest of
+    the blob dropped. The writer is the encoder thread's from ``begin`` to ``finish``; the sink's network side is
+    the loop's."""
 
-    def __init__(self, plane: DataPlane, header: BlobHeader, relay: str | None) -> None:
-        self.plane, self.kv_id, self.relay = plane, header.kv_id, relay
-        self.writer = BlobWriter(header)
-        self.failed = False
-        self.queue: asyncio.Queue[bytes | None] | None = None
-        self.push: asyncio.Task[None] | None = None
-        first = self.writer.header_frame()
-        if relay is None and plane.store is not None:
-            self._guard(plane.store.create, self.kv_id, first, plane.settings.kv_ttl_s)
-        elif relay is None:
-            self._fail(KVUnavailable("this producer has no store of its own (no kv_address)"))
-        else:
-            self.queue = asyncio.Queue()
-            self.queue.put_nowait(first)
-            self.push = plane.spawn(self._push())
+    def __init__(self, plane: DataPlane, kv_id: str, writer: BlobWriter, sink: FrameSink) -> None:
+        self.plane, self.kv_id, self.writer = plane, kv_id, writer
+        self.sink: FrameSink | None = sink  # None once the blob failed: the rest of it is dropped
 
     def add(self, layer: LayerState) -> None:
-        if not self.failed:
-            self._send(self._guard(self.writer.add_layer, layer) or [])
+        """Encoder thread: encode ``layer`` and hand its frames over (may wait while a push is full)."""
+        if self.sink is not None:
+            self._guard(lambda sink: sink.hand_over(self.writer.add_layer(layer)), self.sink)
 
-    def finish(self) -> None:
-        if not self.failed:
-            self._send(self._guard(self.writer.finish, None) or [])
-        if self.queue is not None:
-            self.queue.put_nowait(None)
+    def close(self) -> None:
+        """Encoder thread: the trailer; the sink's outcome is awaited on the loop (``_finish``)."""
+        if self.sink is not None:
+            self._guard(lambda sink: self.plane.on_loop(self._finish(sink, self.writer.finish(None))), self.sink)
 
-    def _send(self, frames: list[bytes]) -> None:
-        for frame in frames:
-            if self.failed:
-                return
-            if self.queue is not None:
-                self.queue.put_nowait(frame)
-            elif frame[:1] == b"T":
-                self._guard(self.plane.store.finish, self.kv_id, frame)  # type: ignore[union-attr]
-            else:
-                self._guard(self.plane.store.append, self.kv_id, frame)  # type: ignore[union-attr]
-
-    def _guard(self, call: Any, *args: Any) -> Any:
+    def _guard(self, step: Callable[[FrameSink], None], sink: FrameSink) -> None:
         try:
-            return call(*args)
-        except PrfaasError as exc:
-            self._fail(exc)
-        except Exception as exc:  # a bug must not leave the blob half-written nor kill the loop's callback
-            self._fail(PrfaasError(f"{type(exc).__name__}: {exc}"))
-        return None
+            step(sink)
+        except Exception as exc:  # a bug must stop this blob, never vLLM's forward pass
+            self.sink = None
+            _not_written(self.kv_id, exc)
+            self.plane.on_loop(_abort(sink))
 
-    def _fail(self, exc: PrfaasError) -> None:
-        log.warning("blob %s not written (%s: %s); the consumer will recompute", self.kv_id, exc.code, exc)
-        self.failed = True
-        if self.push is not None:
-            self.push.cancel()  # the relay sees the connection close and aborts the blob
-        elif self.plane.store is not None:
-            with contextlib.suppress(PrfaasError):
-                self.plane.store.abort(self.kv_id)
-
-    async def _frames(self) -> AsyncIterator[bytes]:
-        assert self.queue is not None
-        while (frame := await self.queue.get()) is not None:
-            yield frame
-
-    async def _push(self) -> None:
-        settings = self.plane.settings
+    async def _finish(self, sink: FrameSink, frames: list[bytes]) -> None:
         try:
-            await client.push(self.relay or "", self.kv_id, self._frames(), ssl=self.plane.client_ssl,
-                              timeout_s=settings.kv_transfer_timeout_s, deadline_s=settings.kv_deadline_s)
-            # no ttl_s: the relay keeps it for its own TTL, which is the relay operator's to set
-        except asyncio.CancelledError:
-            pass  # _fail: already logged
-        except PrfaasError as exc:
-            self.failed = True
-            log.warning("push of %s to the relay failed (%s: %s); the consumer will recompute", self.kv_id,
-                        exc.code, exc)
+            await sink.finish(frames)
+        except Exception as exc:  # refused push, store full, relay gone: the consumer recomputes
+            _not_written(self.kv_id, exc)
+            await _abort(sink)
+
+
+async def _abort(sink: FrameSink) -> None:
+    with contextlib.suppress(PrfaasError):
+        await sink.abort("aborted")  # a push is cancelled: the relay sees the connection cut and aborts the blob
+
+
+def _not_written(kv_id: str, exc: BaseException) -> None:
+    code = exc.code if isinstance(exc, PrfaasError) else type(exc).__name__
+    log.warning("blob %s not written (%s: %s); the consumer will recompute", kv_id, code, exc)
 
 
 class DataPlane:
-    """The loop thread. ``serve`` (direct mode) opens the producer's store and server; ``close`` ends them (blobs
-    left end as ``shutdown``) and the thread. Owns every socket, task and blob it made."""
+    """The loop and encoder threads. ``serve`` (direct mode) opens the producer's store and server; ``close`` ends
+    them (blobs left end as ``shutdown``) and the threads. Owns every socket, task and blob it made."""
 
     def __init__(self, settings: ConnectorSettings, name: str = "prfaas-kv") -> None:
         self.settings = settings
         self.client_ssl = tls_contexts.client_context(settings.tls) if tls_contexts.enabled(settings.tls) else None
         self.store: BlobStore | None = None
         self.server: TransferServer | None = None
-        self._outgoing: dict[str, _Outgoing] = {}
+        self._outgoing: dict[str, _Outgoing] = {}  # the encoder thread's
+        self._encoding: queue.Queue[Callable[[], None] | None] = queue.Queue(ENCODE_QUEUE)
+        self._encoder = threading.Thread(target=self._encode, name=f"{name}-encode", daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to tasks
         self._sweeper: asyncio.Task[None] | None = None
         self._ready = threading.Event()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        self._encoder.start()
         if not self._ready.wait(START_S):
             raise KVUnavailable("the connector's data-plane thread did not start")
 
@@ -154,6 +137,11 @@ class DataPlane:
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
         self._loop.run_forever()
+
+    def _encode(self) -> None:
+        unpin_current_thread()  # off the worker's pinned core, like the loop
+        while (job := self._encoding.get()) is not None:
+            job()  # each step guards itself: a failure ends its blob, never this thread
 
     def call(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -175,8 +163,12 @@ class DataPlane:
     async def _serve(self, host: str, port: int) -> int:
         settings = self.settings
         self.store = BlobStore(settings.store_budget_mb << 20, settings.kv_ttl_s, owner="vllm-producer")
-        ssl = tls_contexts.server_context(settings.tls) if tls_contexts.enabled(settings.tls) else None
-        self.server = TransferServer(self.store, host, port, ssl=ssl)
+        if tls_contexts.enabled(settings.tls):  # each request authorised by the peer certificate's role, as on
+            guard = DataPlaneGuard(settings.tls.required)  # prfaas's own prefill (decode reads, router releases)
+            self.server = TransferServer(self.store, host, port, ssl=tls_contexts.server_context(settings.tls),
+                                         authorize=guard, on_tls_refused=guard.tls_refused)
+        else:
+            self.server = TransferServer(self.store, host, port)
         bound = await self.server.start()
         self._sweeper = self.spawn(self._sweep())
         return bound
@@ -191,20 +183,33 @@ class DataPlane:
         assert self.store is not None
         return self.store.stats().to_dict()
 
-    # -- producer: ordered hand-offs from the worker thread ------------------------------------------------------
+    # -- producer: calls from the worker thread, queued in order for the encoder ----------------------------------
 
     def begin(self, header: BlobHeader, relay: str | None = None) -> None:
-        """Start blob ``header.kv_id``: pushed to ``relay``, or (None) kept in this producer's store."""
-        self._loop.call_soon_threadsafe(self._begin, header, relay)
+        """Start blob ``header.kv_id``: pushed to ``relay``, or (None) kept in this producer's store. Like
+        ``add_layer`` and ``finish``, returns once queued: the worker waits only while the encoder is
+        ``ENCODE_QUEUE`` steps behind (a full push)."""
+        self._encoding.put(functools.partial(self._begin, header, relay))
 
     def add_layer(self, kv_id: str, layer: LayerState) -> None:
-        self._loop.call_soon_threadsafe(self._add, kv_id, layer)
+        self._encoding.put(functools.partial(self._add, kv_id, layer))
 
     def finish(self, kv_id: str) -> None:
-        self._loop.call_soon_threadsafe(self._finish, kv_id)
+        """Write the trailer (the push, or the store, completes on the loop)."""
+        self._encoding.put(functools.partial(self._finish, kv_id))
 
     def _begin(self, header: BlobHeader, relay: str | None) -> None:
-        self._outgoing[header.kv_id] = _Outgoing(self, header, relay)
+        """Encoder thread: open the blob's sink on the loop (bounded); a blob that cannot start is logged and
+        skipped (consumer: ``KV_NOT_FOUND``, recompute)."""
+        writer = BlobWriter(header)
+        opening = self.call(self._open(header.kv_id, writer.header_frame(), relay))
+        try:
+            sink = opening.result(START_S)
+        except Exception as exc:  # store full, no store, a loop stuck past START_S
+            opening.cancel()
+            _not_written(header.kv_id, exc)
+            return
+        self._outgoing[header.kv_id] = _Outgoing(self, header.kv_id, writer, sink)
 
     def _add(self, kv_id: str, layer: LayerState) -> None:
         if (out := self._outgoing.get(kv_id)) is not None:
@@ -212,7 +217,25 @@ class DataPlane:
 
     def _finish(self, kv_id: str) -> None:
         if (out := self._outgoing.pop(kv_id, None)) is not None:
-            out.finish()
+            out.close()
+
+    def pushing_bytes(self) -> int:
+        """Bytes of the blobs being written that their pushes have not sent yet (at most ``PUSH_QUEUE_BYTES`` plus
+        one frame per blob)."""
+        return sum(out.sink.queued_bytes for out in list(self._outgoing.values()) if isinstance(out.sink, PushSink))
+
+    def on_loop(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a task on the loop (from any thread); ``close`` waits for it."""
+        self._loop.call_soon_threadsafe(self.spawn, coro)
+
+    async def _open(self, kv_id: str, header: bytes, relay: str | None) -> FrameSink:
+        settings = self.settings
+        if relay is not None:
+            return PushSink(relay, kv_id, header, settings.kv_transfer_timeout_s, tls=self.client_ssl,
+                            deadline_s=settings.kv_deadline_s)
+        if self.store is None:
+            raise KVUnavailable("this producer has no store of its own (no kv_address)")
+        return StoreSink(self.store, kv_id, header, ttl_s=settings.kv_ttl_s)
 
     # -- consumer -----------------------------------------------------------------------------------------------
 
@@ -251,15 +274,19 @@ class DataPlane:
     def close(self) -> None:
         if not self._thread.is_alive():
             return
+        with contextlib.suppress(queue.Full):  # the encoder ends after what was queued before
+            self._encoding.put(None, timeout=CLOSE_S)
+        self._encoder.join(CLOSE_S)
         with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
             self.call(self._close()).result(CLOSE_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(CLOSE_S)
 
     async def _close(self) -> None:
-        for out in self._outgoing.values():
-            out.finish()
+        unfinished = [out.sink for out in self._outgoing.values() if out.sink is not None]
         self._outgoing.clear()
+        for sink in unfinished:  # the forward pass that was saving them will not finish them: nobody wants them
+            await _abort(sink)
         pushes = [t for t in self._tasks if t is not self._sweeper]
         if pushes:  # let pushes under way end with their trailer (or their deadline)
             await asyncio.wait(pushes, timeout=CLOSE_S)

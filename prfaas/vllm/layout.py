@@ -9,6 +9,10 @@ the request's blocks in sequence order, and the fingerprint names everything tha
 platform, ISA, dtype, block size, KV heads, head size — so that a consumer with another layout refuses the blob
 (``KV_INCOMPATIBLE``) instead of reading garbage.
 
+A hybrid model has several KV cache groups, each with its own block table: a sliding-window group's blocks before
+the window are vLLM's null block and are not carried; a Mamba group holds one state block per request, a raw page
+copied whole like any other block (docs/vllm.md, "Hybrid models").
+
 Nothing in ``Fingerprint`` has a field for a layout, so it travels in ``arch`` (``<HF architecture>|<layout>``):
 prfaas's engine and vLLM instances, or two vLLM instances of different ISAs, never pair.
 """
@@ -29,7 +33,7 @@ import xxhash
 
 from prfaas.errors import InvalidRequest, KVIncompatible
 from prfaas.kv.fingerprint import Fingerprint
-from prfaas.kv.state import FULL_ATTENTION, SLIDING_ATTENTION
+from prfaas.kv.state import FULL_ATTENTION, MAMBA, SLIDING_ATTENTION
 
 CACHE = "vllm-paged-blocks"  # the blob header's ``cache``: whole paged blocks, one tensor per layer
 TENSOR = "blocks"
@@ -40,7 +44,9 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
     torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2), torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),  # a Mamba layer's raw state pages
 }
+_NATIVE = (torch.float32, torch.float16, torch.uint8, torch.int8)  # dtypes numpy holds as they are
 _SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -60,15 +66,33 @@ class Group:
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
+    @property
+    def is_state(self) -> bool:
+        """A fixed-size state per request (Mamba), not KV per token."""
+        return self.kind == MAMBA
+
+    def skipped_blocks(self, computed: int) -> int:
+        """Whole blocks the token after ``computed`` ones does not read (vLLM's ``get_num_skipped_tokens``): before
+        a sliding window, where vLLM's consumer holds its null block; a state group's blocks before the one
+        holding the state after ``computed`` tokens. They are neither read nor carried."""
+        if self.is_state:
+            return max(0, computed - 1) // self.block_size
+        if self.window is None:
+            return 0
+        return max(0, computed - self.window + 1) // self.block_size
+
 
 def groups(kv_cache_config: Any) -> tuple[Group, ...]:
-    """The attention groups of ``kv_cache_config``; ``InvalidRequest`` for a state (Mamba, linear attention)
-    group, which this connector does not carry yet."""
+    """The KV cache groups of ``kv_cache_config``: attention (full, sliding window) and Mamba state groups;
+    ``InvalidRequest`` for any other kind, which this connector does not carry."""
     found = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        if type(spec).__name__ == "MambaSpec":
+            found.append(_state_group(index, group))
+            continue
         if not all(hasattr(spec, name) for name in ("num_kv_heads", "head_size", "block_size")):
-            raise InvalidRequest(f"PrfaasConnector carries attention KV only; group {index} is "
+            raise InvalidRequest(f"PrfaasConnector carries attention KV and Mamba state only; group {index} is "
                                  f"{type(spec).__name__}")
         window = getattr(spec, "sliding_window", None)
         kind = SLIDING_ATTENTION if window else FULL_ATTENTION
@@ -77,6 +101,18 @@ def groups(kv_cache_config: Any) -> tuple[Group, ...]:
         found.append(Group(index, tuple(group.layer_names), int(spec.block_size), kind,
                            int(window) if window else None, int(spec.head_size), _dtype_name(spec.dtype), describe))
     return tuple(found)
+
+
+def _state_group(index: int, group: Any) -> Group:
+    """A Mamba group: one state block per request (its conv and SSM states) whatever the prompt's length, when
+    vLLM keeps no state checkpoints (prefix caching off: ``mamba_cache_mode`` none)."""
+    spec = group.kv_cache_spec
+    if spec.mamba_cache_mode != "none" or spec.num_speculative_blocks:
+        raise InvalidRequest(f"PrfaasConnector carries Mamba state without prefix caching or speculative decoding "
+                             f"only; group {index} has mamba_cache_mode {spec.mamba_cache_mode}")
+    dtypes = ",".join(_dtype_name(d) for d in spec.dtypes)
+    describe = f"MambaSpec:{spec.mamba_type.name}:b{spec.block_size}:{list(spec.shapes)}:{dtypes}"
+    return Group(index, tuple(group.layer_names), int(spec.block_size), MAMBA, None, 0, dtypes, describe)
 
 
 def fingerprint(vllm_config: Any, kv_cache_config: Any) -> Fingerprint:
@@ -88,20 +124,23 @@ def fingerprint(vllm_config: Any, kv_cache_config: Any) -> Fingerprint:
     specs = groups(kv_cache_config)
     return Fingerprint(model=str(model.served_model_name or model.model), arch=f"{arch}|{layout(specs)}",
                        weights=files_digest(path, WEIGHT_FILES), tokenizer=files_digest(tokenizer, TOKENIZER_FILES),
-                       dtype=_dtype_name(kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype),
+                       dtype=next((g.dtype for g in specs if not g.is_state), specs[0].dtype),
                        max_seq_len=int(model.max_model_len))
 
 
 def block_bytes(kv_cache_config: Any, specs: tuple[Group, ...]) -> tuple[int, ...]:
-    """Bytes of one block across all of a group's layers, per group (what a blob carries per block)."""
-    pages = [int(g.kv_cache_spec.page_size_bytes) for g in kv_cache_config.kv_cache_groups]
+    """Bytes of one block across all of a group's layers, per group (what a blob carries per block: a Mamba
+    page's state, not the padding vLLM adds to match the attention page)."""
+    pages = [int(getattr(g.kv_cache_spec, "real_page_size_bytes", g.kv_cache_spec.page_size_bytes))
+             for g in kv_cache_config.kv_cache_groups]
     return tuple(pages[g.index] * len(g.layers) for g in specs)
 
 
 def write_info(path: str, fingerprint: Fingerprint, kv_cache_config: Any, specs: tuple[Group, ...]) -> None:
     """What the prfaas instance beside this vLLM server advertises to its router (``info_file``): the fingerprint,
     the KV bytes per token and the KV cache's size. Written whole, then renamed: a reader never sees half a file."""
-    per_token = sum(b / g.block_size for b, g in zip(block_bytes(kv_cache_config, specs), specs, strict=True))
+    per_token = sum(b / g.block_size for b, g in zip(block_bytes(kv_cache_config, specs), specs, strict=True)
+                    if not g.is_state)  # a state's bytes do not grow with the prompt
     info = {"fingerprint": fingerprint.to_wire(), "kv_bytes_per_token": math.ceil(per_token),
             "kv_budget_bytes": sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)}
     tmp = Path(f"{path}.{os.getpid()}.tmp")
@@ -114,7 +153,7 @@ def layout(specs: tuple[Group, ...]) -> str:
     from vllm.platforms import current_platform
 
     platform = str(current_platform.device_type)
-    isa = ",".join(sorted({_cpu_isa(g) for g in specs})) if platform == "cpu" else platform
+    isa = ",".join(sorted({_cpu_isa(g) for g in specs if not g.is_state})) if platform == "cpu" else platform
     return f"vllm/{platform}/{isa}/" + ";".join(g.describe for g in specs)
 
 
@@ -152,6 +191,34 @@ def gather(kv_layer: torch.Tensor, block_ids: list[int]) -> np.ndarray:
     return to_numpy(kv_layer.index_select(0, index))
 
 
+def forward_order(layer_name: str) -> tuple[int, ...]:
+    """A sort key putting vLLM's layer names (``model.layers.12.self_attn.attn``) in forward-pass order."""
+    return tuple(int(part) for part in layer_name.split(".") if part.isdigit())
+
+
+def to_fill(block_ids: list[int], first: int, null: int) -> tuple[list[int], list[int]]:
+    """The blocks of a request's block table (one group) to write from position ``first`` on, as (block ids,
+    positions): positions holding vLLM's ``null`` block (before a sliding window) are neither read nor written."""
+    kept = [(block, position) for position, block in enumerate(block_ids) if position >= first and block != null]
+    return [block for block, _ in kept], [position for _, position in kept]
+
+
+def blob_indices(positions: list[int], start: int, count: int) -> slice | list[int]:
+    """Which of a layer's blob blocks fill ``positions``: the blob holds ``count`` blocks for positions ``start``…
+    (a slice when the positions run in sequence, as they do: no copy of the layer). ``KVIncompatible`` if a
+    position is not in it."""
+    missing = [p for p in positions if not start <= p < start + count]
+    if missing:
+        raise KVIncompatible(f"the blob holds blocks {start}-{start + count - 1} of a layer; block {missing[0]} "
+                             "is needed")
+    indices = [p - start for p in positions]
+    if not indices:
+        return slice(0, 0)
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[-1] + 1)
+    return indices
+
+
 def scatter(kv_layer: torch.Tensor, block_ids: list[int], blocks: np.ndarray) -> None:
     """Write ``blocks`` (whole blocks, in order) into ``kv_layer`` at ``block_ids``. ``KVIncompatible`` if their
     shape or dtype is not this layer's."""
@@ -171,7 +238,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     target = _NUMPY_DTYPES.get(host.dtype)
     if target is None:
         raise InvalidRequest(f"KV dtype {host.dtype} is not carried")
-    if host.dtype in (torch.float32, torch.float16, torch.uint8):
+    if host.dtype in _NATIVE:
         return host.numpy()
     return host.view(_SAME_WIDTH[host.element_size()]).numpy().view(target)
 
@@ -183,7 +250,7 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
         raise KVIncompatible(f"KV dtype {array.dtype} is not carried")
     if not array.flags.writeable:  # torch wants writable memory; the copy is one layer's blocks
         array = array.copy()
-    if torch_dtype in (torch.float32, torch.float16, torch.uint8):
+    if torch_dtype in _NATIVE:
         return torch.from_numpy(array)
     return torch.from_numpy(array.view(np.dtype(f"i{array.dtype.itemsize}") if array.dtype.itemsize > 1
                                        else np.uint8)).view(torch_dtype)

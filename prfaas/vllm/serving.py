@@ -62,6 +62,7 @@ def start(instance: Instance) -> VllmPrefill | VllmDecode:
     server.start()
     instance.fingerprint = dict(server.info["fingerprint"])
     instance.model, instance.max_seq_len = options.model, server.max_model_len
+    instance.model_root = model_dir  # vLLM loads its tokenizer from the directory it serves
     service = VllmPrefill if options.role == "prefill" else VllmDecode
     return service(server, config)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO
 
 import httpx
@@ -43,6 +45,8 @@ def descendants(pid: int) -> list[int]:
 
 @contextmanager
 def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...] = ()) -> Iterator[tuple]:
+    """``prfaas up`` with ``extra`` flags; yields (router URL, process). With ``--tls`` the URL is https (its CA:
+    ``tls_dir``)."""
     proc, url, log = _start(model, mode, threshold, extra)
     children: list[int] = []
     try:
@@ -71,7 +75,7 @@ def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...]) -> tup
         for line in proc.stdout:
             if "prfaas is up" in line or time.monotonic() > deadline:
                 break
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if '--tls' in extra else 'http'}://127.0.0.1:{port}"
         if proc.poll() is None and _healthy(url):
             return proc, url, log
         proc.kill()
@@ -85,10 +89,21 @@ def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...]) -> tup
 
 
 def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
+    try:  # only whether it answers: a --tls deployment's CA is checked by the tests that use it
+        return httpx.get(f"{url}/health", verify=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def tls_dir(proc: subprocess.Popen) -> Path:
+    """The certificate directory of a ``prfaas up --tls`` deployment (``ca.pem``, ``<role>.pem``/``.key``): where
+    its roles' ``--config`` files are."""
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(OSError):
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            if "--config" in args and (Path(args[args.index("--config") + 1]).parent / "ca.pem").exists():
+                return Path(args[args.index("--config") + 1]).parent
+    raise AssertionError("no role of this deployment runs with a TLS config")
 
 
 def alive(pid: int) -> bool:

@@ -1,9 +1,10 @@
 """Real vLLM servers for tests and benchmarks: vLLM's CPU build from ``.venv-vllm`` (``make vllm``) serving
-SmolLM2-135M fp32 through ``prfaas.vllm.launch``, each in its own process group so that stopping it leaves
-nothing behind."""
+SmolLM2-135M (or another model directory) fp32 through ``prfaas.vllm.launch``, each in its own process group so
+that stopping it leaves nothing behind."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ from typing import IO, Any
 
 import httpx
 
+from prfaas.transfer import client
 from tests.services.deploy import alive, descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +42,17 @@ class Server:
         return self.text()[-4000:]
 
 
-def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None) -> Server:
-    """``prfaas.vllm.launch serve`` on a free port, with ``PrfaasConnector`` as ``role`` (None: plain vLLM)."""
+def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None, *, name: str = MODEL,
+          args: tuple[str, ...] = ()) -> Server:
+    """``prfaas.vllm.launch serve`` on a free port, with ``PrfaasConnector`` as ``role`` (None: plain vLLM),
+    serving ``model_dir`` as ``name``; ``args`` are appended to vLLM's command line (``--block-size 32``)."""
     port = free_port()
     config = {"kv_connector": "PrfaasConnector", "kv_connector_module_path": "prfaas.vllm.connector",
               "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra or {}}
     cmd = [str(VENV / "bin" / "python"), "-m", "prfaas.vllm.launch", "serve", str(model_dir),
-           "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
-           *(["--kv-transfer-config", json.dumps(config)] if role else [])]
+           *(["--kv-transfer-config", json.dumps(config)] if role else []), *args]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in _stop)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -86,3 +90,30 @@ def stop(server: Server) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     server.log.close()
     return left
+
+
+def complete(server: Server, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:
+    """A ``/v1/completions`` request that must succeed; its JSON body."""
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=timeout_s)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def prompt_sources(server: Server) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_by_source`` counters: local_compute, local_cache_hit, external_kv_transfer."""
+    found = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            found[source] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def wait_no_blobs(address: str, wait_s: float = 10.0) -> bool:
+    """Whether the prfaas store at ``address`` holds no blob, waiting up to ``wait_s`` (releases are async)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if asyncio.run(client.stat(address))["blobs"] == 0:
+            return True
+        time.sleep(0.2)
+    return False

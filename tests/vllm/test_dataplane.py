@@ -1,0 +1,162 @@
+"""The connector's ``DataPlane`` on its own (no vLLM, no torch: it is plain numpy), with real sockets: a relay
+store (``BlobStore`` + ``TransferServer``) on a loop thread of this process, or a relay that has stopped reading.
+
+- relay and direct mode: a blob of many layers, handed over from a thread standing in for vLLM's worker, arrives
+  byte for byte; the consumer's pull + release leave no blob in either store;
+- a relay that stops reading (a stalled WAN link): the push holds at most ``PUSH_QUEUE_BYTES`` (plus one frame)
+  the relay has not taken, the encoder waits at most ``kv_transfer_timeout_s`` for room and the worker waits
+  behind it (back-pressure), then the push is refused and the rest of the blob dropped at once; nothing is left
+  (thread, socket, blob).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from prfaas.kv.format import BlobHeader
+from prfaas.kv.kvid import new_kv_id
+from prfaas.kv.state import LayerState
+from prfaas.services.sinks import PUSH_QUEUE_BYTES
+from prfaas.store.memory import BlobStore
+from prfaas.transfer.server import TransferServer
+from prfaas.vllm.dataplane import DataPlane
+from prfaas.vllm.settings import ConnectorSettings
+from tests.transfer.helpers import FP, assert_clean
+
+LAYER_BYTES = 8 << 20
+LAYERS = 16  # 128 MiB: more than the push queue and the encoder's queue hold
+CHUNK = 1 << 20
+TIMEOUT_S = 1.0
+
+
+class RelayThread:
+    """A relay's store and data-plane server on an event loop of their own."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.store = BlobStore(1 << 30, 60.0)
+        self.server = TransferServer(self.store)
+        self.address = f"127.0.0.1:{self.call(self.server.start())}"
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self.server.close()
+            self.store.close()
+
+        self.call(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def relay() -> Iterator[RelayThread]:
+    relay = RelayThread()
+    yield relay
+    relay.close()
+
+
+def _layers() -> list[LayerState]:
+    rng = np.random.default_rng(0)
+    return [LayerState(i, "full_attention", True, None,
+                       {"blocks": rng.standard_normal(LAYER_BYTES // 4, dtype=np.float32).reshape(8, -1)},
+                       {"layer": f"model.layers.{i}.self_attn.attn"}) for i in range(LAYERS)]
+
+
+def _header(layers: list[LayerState]) -> BlobHeader:
+    return BlobHeader(kv_id=new_kv_id(FP.short_hash()), fingerprint=FP, codec="none", seq_len=1024,
+                      cache="vllm-paged-blocks", chunk_size=CHUNK, layers=tuple(x.table_entry() for x in layers),
+                      created_ms=int(time.time() * 1000))
+
+
+def _write(plane: DataPlane, layers: list[LayerState], relay: str | None) -> str:
+    """Hand the blob over from a thread of its own, as vLLM's worker does; returns its kv_id."""
+    header = _header(layers)
+
+    def worker() -> None:
+        plane.begin(header, relay)
+        for layer in layers:
+            plane.add_layer(header.kv_id, layer)
+        plane.finish(header.kv_id)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive()
+    return header.kv_id
+
+
+def _plane_threads() -> list[str]:
+    """The data planes' loop threads alive (prfaas's verify pool is the process's, shared, and stays)."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("prfaas-kv")]
+
+
+@pytest.mark.parametrize("mode", ["relay", "direct"])
+def test_a_blob_arrives_whole_and_nothing_is_left(relay: RelayThread, mode: str) -> None:
+    plane = DataPlane(ConnectorSettings(kv_address="127.0.0.1:0" if mode == "direct" else None,
+                                        relay=relay.address if mode == "relay" else None))
+    try:
+        address = relay.address if mode == "relay" else f"127.0.0.1:{plane.serve('127.0.0.1:0')}"
+        layers = _layers()
+        kv_id = _write(plane, layers, relay.address if mode == "relay" else None)
+        state = plane.pull(address, kv_id).result(60)
+        assert [sent.tensors["blocks"].tobytes() == got.tensors["blocks"].tobytes()
+                for sent, got in zip(layers, state.layers, strict=True)] == [True] * LAYERS
+        plane.release(address, kv_id).result(30)
+        if mode == "direct":
+            assert plane.stats()["blobs"] == 0
+    finally:
+        plane.close()
+    assert_clean(relay.store)
+    assert not _plane_threads()
+
+
+def _stalled_relay() -> socket.socket:
+    """A listener that completes the handshake but never reads: what a link that stopped looks like."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    return listener
+
+
+def test_a_stalled_relay_holds_the_push_to_its_bound_then_refuses_it(caplog: pytest.LogCaptureFixture) -> None:
+    listener = _stalled_relay()
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    plane = DataPlane(ConnectorSettings(relay=address, kv_transfer_timeout_s=TIMEOUT_S, kv_deadline_s=30))
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.005):
+            peak[0] = max(peak[0], plane.pushing_bytes())
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        started = time.monotonic()
+        kv_id = _write(plane, _layers(), address)
+        took = time.monotonic() - started
+    finally:
+        stop.set()
+        watcher.join(10)
+        plane.close()
+        listener.close()
+    print(f"\npeak queued {peak[0] / 2**20:.1f} MiB of {LAYERS * LAYER_BYTES / 2**20:.0f} MiB; worker blocked "
+          f"{took:.2f} s")
+    assert PUSH_QUEUE_BYTES / 2 < peak[0] <= PUSH_QUEUE_BYTES + CHUNK + 64, peak
+    assert TIMEOUT_S * 0.9 < took < TIMEOUT_S + 10  # waited for room once, then the rest was dropped at once
+    assert f"blob {kv_id} not written (KV_TIMEOUT" in caplog.text
+    assert not _plane_threads()
