@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz clean vllm
+.PHONY: demo test lint typecheck unit bench fuzz clean vllm loadtools vllm-bench
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -46,6 +46,22 @@ vllm: $(VLLM_VENV)/.installed
 
 $(VLLM_VENV)/.installed: scripts/install-vllm.sh pyproject.toml
 	PY=$(PY) bash scripts/install-vllm.sh $(VLLM_VENV)
+
+# benchmarks/vllm_pd.py: vLLM's P/D peers side by side, NixlConnector included (NIXL goes into .venv-vllm; not part
+# of `make test`). Needs root for its 1 Gbit lab rows (prfaas.lab namespaces); without root it skips them, saying so.
+vllm-bench: vllm $(STAMP)
+	bash scripts/install-vllm.sh --nixl $(VLLM_VENV)
+	$(BIN)/python benchmarks/vllm_pd.py --repeats 2 --min-requests 2 --max-tokens 32 --level-timeout-s 150
+
+# The load generators of the README's benchmarking section, AIPerf and GuideLLM, each in its own pinned virtualenv
+# (1.2 and 1.5 GB, minutes once). Not part of `make test`: tests/services/test_load_tools.py skips without them.
+loadtools: .venv-aiperf/.installed .venv-guidellm/.installed
+
+.venv-aiperf/.installed: scripts/install-loadtools.sh
+	PY=$(PY) bash scripts/install-loadtools.sh aiperf
+
+.venv-guidellm/.installed: scripts/install-loadtools.sh
+	PY=$(PY) bash scripts/install-loadtools.sh guidellm
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

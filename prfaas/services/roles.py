@@ -23,6 +23,9 @@ def run_role(options: InstanceOptions, config: Config) -> None:
     instance = build(options, config)
     try:
         asyncio.run(instance.run())
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has stopped
+        if not instance.exit_code:
+            raise  # an operator's Ctrl-C ends the process as one
     finally:
         instance.close()  # whatever ended the loop, the engine's child process ends with it
     if instance.exit_code:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
@@ -93,6 +94,18 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", verify=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def line_saying(proc: Any, text: str, timeout_s: float) -> str:
+    """The first line of ``prfaas up``'s stdout (its supervisor's decisions) holding ``text``."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if text in line:
+                return str(line)
+    raise AssertionError(f"prfaas up never said {text!r} in {timeout_s} s: {seen}")
 
 
 def tls_dir(proc: subprocess.Popen) -> Path:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import time
 from collections.abc import Iterator
@@ -28,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.services.deploy import alive, deployment, descendants
+from tests.services.deploy import alive, deployment, descendants, line_saying
 from tests.vllm.servers import INSTALLED
 
 REQUEST_S = 120.0
@@ -151,25 +150,13 @@ def test_remote_route_equals_local_route(up: tuple[str, Any]) -> None:
     assert _prompt_sources(decode_port)["external_kv_transfer"] == after["external_kv_transfer"]
 
 
-def _line_saying(proc: Any, text: str, timeout_s: float) -> str:
-    """The first line of ``prfaas up``'s stdout (its supervisor's decisions) holding ``text``."""
-    deadline, seen = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if text in line:
-                return str(line)
-    raise AssertionError(f"prfaas up never said {text!r} in {timeout_s} s: {seen}")
-
-
 def test_a_dead_vllm_server_stops_its_instance(up: tuple[str, Any]) -> None:
     _, proc = up
     instance, server = _instance(proc, "decode"), _vllm_server(proc, "kv_consumer")
     assert instance is not None and server is not None
     engine = descendants(instance)
     os.kill(server[0], signal.SIGKILL)
-    line = _line_saying(proc, "decode decode-0 exited with code 1", DRAIN_S)
+    line = line_saying(proc, "decode decode-0 exited with code 1", DRAIN_S)
     assert "restarting" in line, line
     deadline = time.monotonic() + 15
     while left := [p for p in engine if alive(p)]:

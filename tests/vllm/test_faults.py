@@ -46,7 +46,7 @@ from prfaas.security import tls as tls_contexts
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
 from prfaas.transfer.server import TransferServer
-from tests.services.deploy import alive, deployment, descendants, tls_dir
+from tests.services.deploy import alive, deployment, descendants, line_saying, tls_dir
 from tests.transfer.helpers import fill
 from tests.vllm.servers import INSTALLED
 
@@ -377,6 +377,8 @@ def test_a_prefill_vllm_killed_mid_request(up: Up) -> None:
     _assert_exact_or_clear_error(up, outcome)
     if outcome.status == 200:
         assert outcome.extension["route"] == "local" and outcome.extension["fallback"], outcome.extension
+    line = line_saying(up.proc, "prefill prefill-0 exited with code 1", HEAL_S)  # fail()'s code, not SIGINT's
+    assert "restarting" in line, line
     deadline = time.monotonic() + 30
     while left := [p for p in engine if alive(p)]:
         assert time.monotonic() < deadline, f"the dead vLLM server left processes behind: {left}"
