@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 from prfaas.kv.format import BlobReader, BlobWriter
@@ -34,9 +33,18 @@ from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
 from prfaas.transfer.server import TransferServer
 from tests.services.deploy import free_port
-from tests.vllm.servers import INSTALLED, MODEL, Server, start, stop, wait_healthy
+from tests.vllm.servers import (
+    INSTALLED,
+    MODEL,
+    Server,
+    complete,
+    prompt_sources,
+    start,
+    stop,
+    wait_healthy,
+    wait_no_blobs,
+)
 
-REQUEST_S = 120.0
 RECOVER_S = 60.0  # a failed load plus the recompute
 PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(40))  # about 460 tokens: 4 blocks
 BODY: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "logprobs": 0}
@@ -135,8 +143,8 @@ def pair() -> Iterator[Pair]:
         started = time.monotonic()
         wait_healthy([prefill, decode])
         print(f"vLLM producer and consumer healthy in {time.monotonic() - started:.1f} s")
-        yield Pair(prefill, decode, kv_address, relay, _complete(prefill, BODY))
-        assert _wait_no_blobs(kv_address), "blobs left in the producer's store"
+        yield Pair(prefill, decode, kv_address, relay, complete(prefill, BODY))
+        assert wait_no_blobs(kv_address), "blobs left in the producer's store"
         assert relay.blobs() == 0, "blobs left in the relay's store"
     finally:
         left = stop(prefill) + stop(decode)
@@ -144,24 +152,8 @@ def pair() -> Iterator[Pair]:
     assert not left, f"processes left behind: {left}"
 
 
-def _complete(server: Server, body: dict[str, Any]) -> dict[str, Any]:
-    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=REQUEST_S)
-    assert reply.status_code == 200, reply.text
-    return dict(reply.json())
-
-
 def _tokens(completion: dict[str, Any]) -> list[str]:
     return list(completion["choices"][0]["logprobs"]["tokens"])
-
-
-def _prompt_sources(server: Server) -> dict[str, float]:
-    """vLLM's ``prompt_tokens_by_source`` counters: local_compute, local_cache_hit, external_kv_transfer."""
-    found = {}
-    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            found[source] = float(line.rsplit(" ", 1)[1])
-    return found
 
 
 def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -171,7 +163,7 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 def _prefill_remote(pair: Pair, relay: str | None = None) -> dict[str, Any]:
     """The producer's half: max_tokens 1 and do_remote_decode; returns the kv_transfer_params it answered."""
     asked = {"do_remote_decode": True, **({"relay": relay} if relay else {})}
-    reply = _complete(pair.prefill, {**BODY, "max_tokens": 1, "kv_transfer_params": asked})
+    reply = complete(pair.prefill, {**BODY, "max_tokens": 1, "kv_transfer_params": asked})
     params = reply.get("kv_transfer_params") or {}
     assert params.get("do_remote_prefill") and params.get("kv_id"), reply
     assert params["kv_address"] == (relay or pair.kv_address)
@@ -180,19 +172,10 @@ def _prefill_remote(pair: Pair, relay: str | None = None) -> dict[str, Any]:
 
 
 def _decode(pair: Pair, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float], float]:
-    before = _prompt_sources(pair.decode)
+    before = prompt_sources(pair.decode)
     started = time.monotonic()
-    reply = _complete(pair.decode, {**BODY, "kv_transfer_params": params})
-    return reply, _delta(before, _prompt_sources(pair.decode)), time.monotonic() - started
-
-
-def _wait_no_blobs(address: str, wait_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if asyncio.run(client.stat(address))["blobs"] == 0:
-            return True
-        time.sleep(0.2)
-    return False
+    reply = complete(pair.decode, {**BODY, "kv_transfer_params": params})
+    return reply, _delta(before, prompt_sources(pair.decode)), time.monotonic() - started
 
 
 def test_remote_prefill_is_exact_and_not_recomputed(pair: Pair) -> None:
@@ -200,7 +183,7 @@ def test_remote_prefill_is_exact_and_not_recomputed(pair: Pair) -> None:
     reply, sources, _ = _decode(pair, params)
     assert reply["choices"][0]["text"] == pair.reference["choices"][0]["text"]
     _assert_kv_used(pair, reply, sources)  # all but the last prompt token: vLLM computes it for its logits
-    assert _wait_no_blobs(pair.kv_address), "the consumer did not release the blob"
+    assert wait_no_blobs(pair.kv_address), "the consumer did not release the blob"
 
 
 def _assert_kv_used(pair: Pair, reply: dict[str, Any], sources: dict[str, float]) -> None:
@@ -221,7 +204,7 @@ def test_relay_mode_per_request(pair: Pair) -> None:
 
 def test_relay_not_allowed_is_refused(pair: Pair) -> None:
     """A request cannot make the producer push KV to an address it was not configured with."""
-    reply = _complete(pair.prefill, {**BODY, "max_tokens": 1,
+    reply = complete(pair.prefill, {**BODY, "max_tokens": 1,
                                      "kv_transfer_params": {"do_remote_decode": True, "relay": "127.0.0.1:9"}})
     assert not (reply.get("kv_transfer_params") or {}).get("kv_id")
 
@@ -256,7 +239,7 @@ def test_incompatible_blob_is_refused_and_recomputed(pair: Pair) -> None:
     assert sources["external_kv_transfer"] == 0 and sources["local_compute"] == reply["usage"]["prompt_tokens"]
     assert seconds < RECOVER_S
     assert f"{forged}) failed, KV_INCOMPATIBLE" in pair.decode.text()
-    assert _wait_no_blobs(pair.kv_address), "the refused blob was not released"
+    assert wait_no_blobs(pair.kv_address), "the refused blob was not released"
 
 
 async def _forge(address: str, kv_id: str) -> str:
