@@ -9,8 +9,10 @@ import contextlib
 import json
 import os
 import signal
+import ssl as ssl_module
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,9 @@ from typing import IO, Any
 
 import httpx
 
+from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
+from prfaas.transfer.server import TransferServer
 from tests.services.deploy import alive, descendants, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,3 +121,29 @@ def wait_no_blobs(address: str, wait_s: float = 10.0) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+class StoreThread:
+    """A prfaas store and its data-plane server (a relay, or a store of the test's own) on an event loop thread of
+    this process, for vLLM's connector to push to or pull from."""
+
+    def __init__(self, ttl_s: float = 60.0, ssl: ssl_module.SSLContext | None = None) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.store = BlobStore(1 << 30, ttl_s)
+        self.server = TransferServer(self.store, ssl=ssl)
+        self.address = f"127.0.0.1:{self.call(self.server.start())}"
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    def close(self) -> None:
+        self.call(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _stop(self) -> None:
+        await self.server.close()
+        self.store.close()

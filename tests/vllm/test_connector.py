@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,14 +28,13 @@ import pytest
 
 from prfaas.kv.format import BlobReader, BlobWriter
 from prfaas.kv.kvid import new_kv_id
-from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
-from prfaas.transfer.server import TransferServer
 from tests.services.deploy import free_port
 from tests.vllm.servers import (
     INSTALLED,
     MODEL,
     Server,
+    StoreThread,
     complete,
     prompt_sources,
     start,
@@ -65,7 +63,7 @@ class Pair:
     reference: dict[str, Any]  # the monolithic completion (the prefill instance, without any transfer)
 
 
-class Relay:
+class Relay(StoreThread):
     """A relay store (``BlobStore`` + ``TransferServer``) and a damaging TCP proxy, on a loop thread of this
     process. The proxy forwards to ``upstream``; while ``damage`` is set, the first connection through it gets one
     byte of the server's stream flipped at ``FLIP_AT`` (inside the first chunk's data)."""
@@ -73,20 +71,12 @@ class Relay:
     FLIP_AT = 100_000
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.store = BlobStore(1 << 30, 60.0)
-        self.server = TransferServer(self.store)
-        self.address = f"127.0.0.1:{self._call(self.server.start())}"
+        super().__init__()
         self.upstream = ""
         self.damage = False
         self.connections = 0
         self.proxy: asyncio.Server | None = None
-        self.proxy_address = f"127.0.0.1:{self._call(self._start_proxy())}"
-
-    def _call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+        self.proxy_address = f"127.0.0.1:{self.call(self._start_proxy())}"
 
     async def _start_proxy(self) -> int:
         self.proxy = await asyncio.start_server(self._relay_connection, "127.0.0.1", 0)
@@ -117,16 +107,10 @@ class Relay:
     def blobs(self) -> int:
         return int(self.store.stats().to_dict()["blobs"])
 
-    def close(self) -> None:
-        async def stop() -> None:
-            assert self.proxy is not None
-            self.proxy.close()
-            await self.server.close()
-            self.store.close()
-
-        self._call(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    async def _stop(self) -> None:
+        assert self.proxy is not None
+        self.proxy.close()
+        await super()._stop()
 
 
 @pytest.fixture(scope="module")

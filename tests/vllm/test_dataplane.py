@@ -11,12 +11,10 @@ store (``BlobStore`` + ``TransferServer``) on a loop thread of this process, or 
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -25,11 +23,10 @@ from prfaas.kv.format import BlobHeader
 from prfaas.kv.kvid import new_kv_id
 from prfaas.kv.state import LayerState
 from prfaas.services.sinks import PUSH_QUEUE_BYTES
-from prfaas.store.memory import BlobStore
-from prfaas.transfer.server import TransferServer
 from prfaas.vllm.dataplane import DataPlane
 from prfaas.vllm.settings import ConnectorSettings
 from tests.transfer.helpers import FP, assert_clean
+from tests.vllm.servers import StoreThread
 
 LAYER_BYTES = 8 << 20
 LAYERS = 16  # 128 MiB: more than the push queue and the encoder's queue hold
@@ -37,34 +34,9 @@ CHUNK = 1 << 20
 TIMEOUT_S = 1.0
 
 
-class RelayThread:
-    """A relay's store and data-plane server on an event loop of their own."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.store = BlobStore(1 << 30, 60.0)
-        self.server = TransferServer(self.store)
-        self.address = f"127.0.0.1:{self.call(self.server.start())}"
-
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
-
-    def close(self) -> None:
-        async def stop() -> None:
-            await self.server.close()
-            self.store.close()
-
-        self.call(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
 @pytest.fixture
-def relay() -> Iterator[RelayThread]:
-    relay = RelayThread()
+def relay() -> Iterator[StoreThread]:
+    relay = StoreThread()
     yield relay
     relay.close()
 
@@ -105,7 +77,7 @@ def _plane_threads() -> list[str]:
 
 
 @pytest.mark.parametrize("mode", ["relay", "direct"])
-def test_a_blob_arrives_whole_and_nothing_is_left(relay: RelayThread, mode: str) -> None:
+def test_a_blob_arrives_whole_and_nothing_is_left(relay: StoreThread, mode: str) -> None:
     plane = DataPlane(ConnectorSettings(kv_address="127.0.0.1:0" if mode == "direct" else None,
                                         relay=relay.address if mode == "relay" else None))
     try:
