@@ -1,7 +1,8 @@
 """One configuration for every role: a YAML file (``--config`` or ``$PRFAAS_CONFIG``), then flags on top.
 
-Keys are the parameter table of ARCHITECTURE.md plus the extra keys of CONTRACTS.md. Every value is checked when
-the config is built; measured runtime values (bandwidth, P99) live in runtime state, never here.
+Keys are the source documents' parameter table plus the extra keys of docs/contracts.md (all of them, with their
+defaults: docs/configuration.md). Every value is checked when the config is built; measured runtime values
+(bandwidth, P99) live in runtime state, never here.
 """
 
 from __future__ import annotations
@@ -15,16 +16,9 @@ from typing import Any
 import yaml
 
 from prfaas.errors import InvalidRequest
-from prfaas.security.limits import WireLimits
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    required: bool = False
-    crl: str | None = None  # `prfaas certs revoke` writes it; peers' certificates are checked against it
+from prfaas.limits import WireLimits
+from prfaas.tenancy.policy import Tenants
+from prfaas.tls import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -65,7 +59,7 @@ class Config:
     api_keys: tuple[str, ...] = ()
     tls: TLSConfig = field(default_factory=TLSConfig)
     slo: SLOConfig = field(default_factory=SLOConfig)
-    limits: WireLimits = field(default_factory=WireLimits)  # what parsers accept (prfaas.security.limits)
+    limits: WireLimits = field(default_factory=WireLimits)  # what parsers accept (prfaas.limits)
     store_backend: str = "memory"  # where a relay's / prefill's KV blobs live: memory | redis
     redis_url: str = "redis://127.0.0.1:6379/0"  # store_backend redis; also unix:///path/redis.sock
     redis_maxmemory_policy: str = "noeviction"  # set on the Redis server at start; "" keeps the server's
@@ -106,8 +100,6 @@ class Config:
         for ok, message in checks:
             if not ok:
                 raise InvalidRequest(f"config: {message}")
-        from prfaas.tenancy.policy import Tenants
-
         Tenants.from_config(self.tenants)  # every tenant's policy within its limits, or refuse the config
 
     @property

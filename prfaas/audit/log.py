@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from prfaas.audit.chain import ChainLog, read_entries
-from prfaas.store.records import EXPIRED, OK, SHUTDOWN, AccessRecord, DeletionRecord
+from prfaas.records import EXPIRED, OK, SHUTDOWN, AccessRecord, DeletionRecord
 
 
 class AuditLog:

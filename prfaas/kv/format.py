@@ -32,7 +32,8 @@ from prfaas.kv import codecs
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
 from prfaas.kv.kvid import check_kv_id, new_kv_id
 from prfaas.kv.state import DEFAULT_CHUNK_BYTES, LAYER_KINDS, KVState, LayerState
-from prfaas.security import limits
+from prfaas.limits import DEFAULT as DEFAULT_LIMITS
+from prfaas.limits import MIN_CHUNK, WireLimits
 
 MAGIC = b"PRKV"
 _HEADER = struct.Struct(">4sHI")
@@ -41,7 +42,6 @@ _TRAILER = struct.Struct(">cI")
 _HEAD_SUM = struct.Struct(">I")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
-MIN_CHUNK = limits.MIN_CHUNK  # the largest lengths and counts accepted: ``limits.current()`` (config ``limits``)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class BlobHeader:
                 "layers": list(self.layers), "created_ms": self.created_ms}
 
     @classmethod
-    def from_wire(cls, data: Any) -> BlobHeader:
+    def from_wire(cls, data: Any, limits: WireLimits = DEFAULT_LIMITS) -> BlobHeader:
+        """The header of decoded msgpack ``data``; ``KVBadFormat`` for a missing field or one over ``limits``."""
         try:
             layers = tuple(_check_table_entry(e) for e in data["layers"])
             header = cls(kv_id=check_kv_id(data["kv_id"]), fingerprint=Fingerprint.from_wire(data["fingerprint"]),
@@ -74,8 +75,7 @@ class BlobHeader:
             if isinstance(exc, KVBadFormat):
                 raise
             raise KVBadFormat(f"bad blob header: {exc}") from exc
-        top = limits.current()
-        if not MIN_CHUNK <= header.chunk_size <= top.max_chunk_bytes or len(layers) > top.max_layers \
+        if not MIN_CHUNK <= header.chunk_size <= limits.max_chunk_bytes or len(layers) > limits.max_layers \
                 or header.seq_len < 0:
             raise KVBadFormat("blob header field out of limits (chunk_size, layer count or seq_len)")
         return header
@@ -231,19 +231,25 @@ class BlobReader:
     ``next_chunk`` is where a resumed read starts. Errors: ``KVBadFormat`` (magic, version, limits, order),
     ``KVCorrupt`` (any checksum), ``KVTooLarge`` (over ``max_bytes``), ``KVTruncated`` (``state()`` before the
     trailer).
+
+    ``limits``: the wire limits every length and count read is checked against (the role's ``config.limits``;
+    the defaults when none are given); ``max_bytes`` defaults to its ``max_blob_bytes``.
     """
 
-    def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None, retain: bool = True) -> None:
+    def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None, retain: bool = True,
+                 limits: WireLimits = DEFAULT_LIMITS) -> None:
         if arena is not None and not retain:
             raise ValueError("a reader that keeps nothing takes no arena")
-        self.max_bytes = limits.current().max_blob_bytes if max_bytes is None else max_bytes
+        self.limits = limits
+        self.max_bytes = limits.max_blob_bytes if max_bytes is None else max_bytes
         self.retain = retain
         self.header: BlobHeader | None = None
         self.trailer: BlobTrailer | None = None
         self.layers: list[LayerState] = []
         self.next_chunk = 0
         self._buf = bytearray()
-        self._payload = _PayloadParser(self.layers, self.max_bytes, arena, retain)  # no cycle: freed when dropped
+        # no cycle: freed when dropped
+        self._payload = _PayloadParser(self.layers, self.max_bytes, arena, retain, limits)
         self._total = 0
 
     @property
@@ -331,9 +337,9 @@ class BlobReader:
         not fed again). Before any header was read it is simply fed. ``KVCorrupt``/``KVBadFormat`` if damaged,
         ``KVIncompatible`` if it is another blob's header."""
         if self.header is None:
-            self.feed(parse_header(frame)[1])
+            self.feed(parse_header(frame, self.limits)[1])
             return
-        header, _ = parse_header(frame)
+        header, _ = parse_header(frame, self.limits)
         if header != self.header:
             raise KVIncompatible(f"resumed read of {self.header.kv_id} got the header of {header.kv_id}")
 
@@ -377,13 +383,13 @@ class BlobReader:
         _, version, n = head
         if version not in SUPPORTED_VERSIONS:
             raise KVBadFormat(f"unknown KV format version {version}; this reader supports {sorted(SUPPORTED_VERSIONS)}")
-        if n > limits.current().max_meta_bytes:
-            raise KVBadFormat(f"blob header of {n} bytes is over the {limits.current().max_meta_bytes}-byte limit")
+        if n > self.limits.max_meta_bytes:
+            raise KVBadFormat(f"blob header of {n} bytes is over the {self.limits.max_meta_bytes}-byte limit")
         start = _HEADER.size + _HEAD_SUM.size
         meta = _verified_meta(view[start:], n, "header")
         if meta is None:
             return 0
-        self.header = BlobHeader.from_wire(_unpack(meta))
+        self.header = BlobHeader.from_wire(_unpack(meta), self.limits)
         return start + n + _U64.size
 
     def _trailer_frame(self, view: memoryview) -> int:
@@ -391,7 +397,7 @@ class BlobReader:
         if head is None:
             return 0
         _, n = head
-        if n > limits.current().max_meta_bytes:
+        if n > self.limits.max_meta_bytes:
             raise KVBadFormat("blob trailer over its size limit")
         start = _TRAILER.size + _HEAD_SUM.size
         meta = _verified_meta(view[start:], n, "trailer")
@@ -417,6 +423,26 @@ class BlobReader:
             raise KVBadFormat("layers in the payload do not match the header's layer table")
 
 
+def encode_state(state: KVState, codec: str = "none", kv_id: str | None = None,
+                 chunk_size: int = DEFAULT_CHUNK_BYTES) -> bytes:
+    """The whole blob of ``state`` (header, chunks, trailer) as one bytes object."""
+    writer = BlobWriter.for_state(state, codec=codec, kv_id=kv_id, chunk_size=chunk_size)
+    out = [writer.header_frame()]
+    for layer in state.layers:
+        out.extend(writer.add_layer(layer))
+    out.extend(writer.finish(state.first_token))
+    return b"".join(out)
+
+
+def decode_state(blob: bytes | bytearray | memoryview, max_bytes: int | None = None,
+                 limits: WireLimits = DEFAULT_LIMITS) -> KVState:
+    """Parse and verify a whole blob; raises ``KVCorrupt``, ``KVTruncated``, ``KVBadFormat`` or ``KVTooLarge``
+    (over ``max_bytes``, default ``limits.max_blob_bytes``)."""
+    reader = BlobReader(max_bytes=max_bytes, limits=limits)
+    reader.feed(blob)
+    return reader.state()
+
+
 def _verified_meta(view: memoryview, n: int, what: str) -> memoryview | None:
     if len(view) < n + _U64.size:
         return None
@@ -437,8 +463,9 @@ class _PayloadParser:
     """
 
     def __init__(self, layers: list[LayerState], max_bytes: int, arena: np.ndarray | None,
-                 retain: bool = True) -> None:
+                 retain: bool, limits: WireLimits) -> None:
         self.layers, self.max_bytes, self.arena, self.retain = layers, max_bytes, arena, retain
+        self.limits = limits
         self.started = False
         self._pos = 0  # payload offset of the next byte fed
         self._head = bytearray()  # the current layer record (u32 n + msgpack), while incomplete
@@ -474,7 +501,7 @@ class _PayloadParser:
         self._pos += used
         if len(self._head) == _U32.size:
             (n,) = _U32.unpack_from(self._head)
-            if n > limits.current().max_meta_bytes:
+            if n > self.limits.max_meta_bytes:
                 raise KVBadFormat(f"layer record of {n} bytes is over the limit")
         if len(self._head) > _U32.size and len(self._head) == want:
             self._begin_layer(_unpack(bytes(self._head[_U32.size:])))
@@ -493,7 +520,7 @@ class _PayloadParser:
     def _begin_layer(self, meta: Any) -> None:
         if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), list):
             raise KVBadFormat("bad layer record")
-        if len(meta["tensors"]) > limits.current().max_tensors or len(self.layers) >= limits.current().max_layers:
+        if len(meta["tensors"]) > self.limits.max_tensors or len(self.layers) >= self.limits.max_layers:
             raise KVBadFormat("too many tensors or layers")
         self._layouts = [codecs.part_layout(desc) for desc in meta["tensors"]]
         need = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for lay in self._layouts for dt, shape in lay)
@@ -537,21 +564,23 @@ TRAILER_HEAD_SIZE = _TRAILER.size + _HEAD_SUM.size
 META_SUM_SIZE = _U64.size
 
 
-def parse_chunk_head(head: bytes | bytearray | memoryview) -> tuple[int, int, int]:
+def parse_chunk_head(head: bytes | bytearray | memoryview,
+                     limits: WireLimits = DEFAULT_LIMITS) -> tuple[int, int, int]:
     """``(index, length, xxh64)`` from the first ``CHUNK_HEAD_SIZE`` bytes of a chunk frame.
-    ``KVCorrupt`` if the head fails its checksum or is not a chunk head; ``KVTruncated`` if it is short."""
+    ``KVCorrupt`` if the head fails its checksum or is not a chunk head; ``KVTruncated`` if it is short;
+    ``KVBadFormat`` if its length is over ``limits.max_chunk_bytes``."""
     parsed = _unsealed(memoryview(head), _CHUNK, "chunk")
     if parsed is None:
         raise KVTruncated("chunk frame head is incomplete")
     tag, index, length, checksum = parsed
     if tag != b"C":
         raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
-    if length > limits.current().max_chunk_bytes:
-        raise KVBadFormat(f"chunk {index} claims {length} bytes, over the limit ({limits.current().max_chunk_bytes})")
+    if length > limits.max_chunk_bytes:
+        raise KVBadFormat(f"chunk {index} claims {length} bytes, over the limit ({limits.max_chunk_bytes})")
     return int(index), int(length), int(checksum)
 
 
-def meta_length(head: bytes | bytearray | memoryview) -> int:
+def meta_length(head: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> int:
     """The msgpack length announced by a header (``HEADER_HEAD_SIZE`` bytes) or trailer (``TRAILER_HEAD_SIZE``)
     frame head; the whole frame is ``head + length + META_SUM_SIZE`` bytes. Checked against ``max_meta_bytes``."""
     view = memoryview(head)
@@ -567,16 +596,17 @@ def meta_length(head: bytes | bytearray | memoryview) -> int:
         n = None if parsed is None else parsed[2]
     if n is None:
         raise KVTruncated("frame head is incomplete")
-    if n > limits.current().max_meta_bytes:
-        raise KVBadFormat(f"frame metadata of {n} bytes is over the {limits.current().max_meta_bytes}-byte limit")
+    if n > limits.max_meta_bytes:
+        raise KVBadFormat(f"frame metadata of {n} bytes is over the {limits.max_meta_bytes}-byte limit")
     return int(n)
 
 
-def parse_header(frame: bytes | bytearray | memoryview) -> tuple[BlobHeader, bytes]:
+def parse_header(frame: bytes | bytearray | memoryview,
+                 limits: WireLimits = DEFAULT_LIMITS) -> tuple[BlobHeader, bytes]:
     """The header of one whole header frame, and the frame as bytes. Errors as ``BlobReader.feed``; a frame with
     bytes missing is ``KVTruncated``, one with extra bytes ``KVBadFormat``."""
     data = bytes(frame)
-    reader = BlobReader()
+    reader = BlobReader(limits=limits)
     used = reader._header_frame(memoryview(data))
     if reader.header is None or used == 0:
         raise KVTruncated("header frame is incomplete")
@@ -585,14 +615,14 @@ def parse_header(frame: bytes | bytearray | memoryview) -> tuple[BlobHeader, byt
     return reader.header, data
 
 
-def parse_trailer(frame: bytes | bytearray | memoryview) -> BlobTrailer:
+def parse_trailer(frame: bytes | bytearray | memoryview, limits: WireLimits = DEFAULT_LIMITS) -> BlobTrailer:
     """The trailer of one whole trailer frame, its checksums verified (not yet compared with any payload)."""
     view = memoryview(bytes(frame))
     head = _unsealed(view, _TRAILER, "trailer")
     if head is None or head[0] != b"T":
         raise KVBadFormat("not a trailer frame")
     start = TRAILER_HEAD_SIZE
-    if head[1] > limits.current().max_meta_bytes or len(view) != start + head[1] + _U64.size:
+    if head[1] > limits.max_meta_bytes or len(view) != start + head[1] + _U64.size:
         raise KVBadFormat("trailer frame length does not match its head")
     meta = _verified_meta(view[start:], head[1], "trailer")
     assert meta is not None

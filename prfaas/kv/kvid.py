@@ -1,4 +1,4 @@
-"""``kv_id``: ``<fingerprint short hash>-<creation unix ms>-<96 random bits, base32>`` (CONTRACTS.md)."""
+"""``kv_id``: ``<fingerprint short hash>-<creation unix ms>-<96 random bits, base32>`` (docs/contracts.md)."""
 
 from __future__ import annotations
 

@@ -78,25 +78,3 @@ class KVState:
     def fixed_bytes(self) -> int:
         """Bytes that do not depend on the sequence length (linear, SSM, conv and cache-level states)."""
         return sum(layer.nbytes for layer in self.layers if not layer.grows)
-
-    def to_bytes(self, codec: str = "none", kv_id: str | None = None,
-                 chunk_size: int = DEFAULT_CHUNK_BYTES) -> bytes:
-        """The whole blob (header, chunks, trailer) as one bytes object."""
-        from prfaas.kv.format import BlobWriter
-
-        writer = BlobWriter.for_state(self, codec=codec, kv_id=kv_id, chunk_size=chunk_size)
-        out = [writer.header_frame()]
-        for layer in self.layers:
-            out.extend(writer.add_layer(layer))
-        out.extend(writer.finish(self.first_token))
-        return b"".join(out)
-
-    @classmethod
-    def from_bytes(cls, blob: bytes | bytearray | memoryview, max_bytes: int | None = None) -> KVState:
-        """Parse and verify a whole blob; raises ``KVCorrupt``, ``KVTruncated``, ``KVBadFormat`` or ``KVTooLarge``
-        (over ``max_bytes``, default ``limits.max_blob_bytes``)."""
-        from prfaas.kv.format import BlobReader
-
-        reader = BlobReader(max_bytes=max_bytes)
-        reader.feed(blob)
-        return reader.state()

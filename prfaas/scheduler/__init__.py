@@ -4,11 +4,11 @@ Pure functions and small state machines over instance snapshots: no I/O, so each
 synthetic states and the router stays the only place that talks to instances.
 """
 
+from prfaas.ratelimit import TokenBucket
 from prfaas.scheduler.breaker import CircuitBreaker
 from prfaas.scheduler.link import LinkMonitor
 from prfaas.scheduler.placement import pick_decode, pick_prefill
 from prfaas.scheduler.policy import Decision, Scheduler
-from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.scheduler.speed import PrefillSpeed
 
 __all__ = ["CircuitBreaker", "Decision", "LinkMonitor", "PrefillSpeed", "Scheduler", "TokenBucket", "pick_decode",

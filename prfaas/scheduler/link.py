@@ -3,7 +3,7 @@
 For each remote request the router records success or failure and the *exposed* transfer time: the part of the
 KV pull that was not hidden behind the prefill's forward pass (decode's pull time minus the prefill's compute and
 queue time). With layer-wise streaming that is about the last chunk's transfer, which is what
-``degrade_p99_ms`` (per chunk, CONTRACTS.md) bounds. The link is degraded when, over the window, the P99 of that
+``degrade_p99_ms`` (per chunk, docs/contracts.md) bounds. The link is degraded when, over the window, the P99 of that
 time exceeds ``degrade_p99_ms`` or the success rate falls below ``success_rate_threshold``; while degraded, new
 requests are prefilled locally.
 

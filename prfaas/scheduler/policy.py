@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from prfaas.config import Config
 from prfaas.errors import KVUnavailable, RateLimited
 from prfaas.messages import InstanceInfo
+from prfaas.ratelimit import TokenBucket
 from prfaas.scheduler.breaker import CircuitBreaker
 from prfaas.scheduler.link import LinkMonitor
 from prfaas.scheduler.placement import decode_candidates, pick_decode, pick_prefill
-from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.scheduler.speed import PrefillSpeed
-
-if TYPE_CHECKING:
-    from prfaas.tenancy.policy import TenantPolicy
+from prfaas.tenancy.policy import TenantPolicy
 
 REMOTE, LOCAL = "remote", "local"
 

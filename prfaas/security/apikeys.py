@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prfaas import tls
 from prfaas.config import Config
 from prfaas.errors import InvalidRequest
-from prfaas.scheduler.ratelimit import TokenBucket
-from prfaas.security import tls
+from prfaas.ratelimit import TokenBucket
 from prfaas.security.policy import PERMISSIONS
 from prfaas.tenancy.policy import DEFAULT_TENANT, parse_policy
 

@@ -23,11 +23,10 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prfaas.errors import KVUnauthorized
-from prfaas.security import runtime
 from prfaas.security.identity import Peer, peer_from_cert
 from prfaas.security.policy import authorize
 from prfaas.security.refusals import PLAINTEXT, handshake_reason, refused
-from prfaas.security.tls import TLS_HANDSHAKE, first_byte
+from prfaas.tls import TLS_HANDSHAKE, first_byte
 
 log = logging.getLogger("prfaas.security")
 PEERS: dict[tuple[str, int], Peer] = {}
@@ -133,10 +132,12 @@ def peer_of(scope: dict[str, Any]) -> Peer:
 
 
 class RoleGuard:
-    """ASGI middleware: requests whose path starts with a rule's prefix need that rule's operation."""
+    """ASGI middleware: requests whose path starts with a rule's prefix need that rule's operation. With
+    ``required`` (the role's ``tls.required``) a peer without a certificate is refused too."""
 
-    def __init__(self, app: Any, rules: Sequence[tuple[str, str]], on_refused: OnRefused | None = None) -> None:
-        self.app, self.rules, self.on_refused = app, rules, on_refused
+    def __init__(self, app: Any, rules: Sequence[tuple[str, str]], on_refused: OnRefused | None = None,
+                 required: bool = True) -> None:
+        self.app, self.rules, self.on_refused, self.required = app, rules, on_refused, required
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         operation = self._operation(scope)
@@ -144,7 +145,7 @@ class RoleGuard:
             return await self.app(scope, receive, send)
         peer = peer_of(scope)
         try:
-            if peer.name or runtime.required():  # no certificate is let through only while TLS is optional
+            if peer.name or self.required:  # no certificate is let through only while TLS is optional
                 authorize(peer.role, operation)
         except KVUnauthorized as exc:
             log.warning("refused %s %s to %s: %s", operation, scope.get("path"), peer.identity, exc.message)

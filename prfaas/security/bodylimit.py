@@ -3,6 +3,7 @@
 A request whose ``Content-Length`` is over the limit is answered 413 (``KV_TOO_LARGE``) before one byte of its
 body is read; a body without a length (chunked) is counted as it arrives and the read that crosses the limit
 raises ``KVTooLarge`` (the app's error handler answers 413), so no more than the limit is ever buffered.
+The limit is the role's (``max_bytes``, from its ``config.limits``; ``prfaas.security.guards`` installs it).
 """
 
 from __future__ import annotations
@@ -11,17 +12,17 @@ import json
 from typing import Any
 
 from prfaas.errors import KVTooLarge
-from prfaas.security import limits
+from prfaas.limits import DEFAULT
 
 
 class BodyLimit:
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, max_bytes: int = DEFAULT.max_body_bytes) -> None:
+        self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        top = limits.current().max_body_bytes
+        top = self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length", b"")
         if length.strip().isdigit() and int(length) > top:
             return await _too_large(send, f"request body of {int(length)} bytes is over the {top}-byte limit")

@@ -1,9 +1,11 @@
 """Where the role guard, the API keys and the body limit sit in front of each role's HTTP app (called by the
 services).
 
-Every app: request bodies over ``limits.max_body_bytes`` are refused (413). Instances: only the router may assign
-work (``/prefill``, ``/generate``, ``/tokenize``); ``/stats`` and ``/debug`` need any prfaas role. Router: only
-instances may register (``/internal/*``); ``/v1/*`` and ``/admin/*`` need an API key when keys are configured.
+Every app: request bodies over ``limits.max_body_bytes`` are refused (413); the app keeps its role's limits in
+``app.state.limits``, where ``prfaas.services.http.serve`` and ``prfaas.services.jsonbody`` read them. Instances: only
+the router may assign work (``/prefill``, ``/generate``, ``/tokenize``); ``/stats`` and ``/debug`` need any prfaas role.
+Router: only instances may register (``/internal/*``); ``/v1/*`` and ``/admin/*`` need an API key when keys are
+configured.
 Every refusal — a role refused (403), a missing or invalid API key (401), a failed TLS handshake (plaintext,
 expired, revoked or untrusted certificate) — is written to the audit log with the peer identity
 (``prfaas.security.refusals``): the store's log on an instance with a store, else the process's own log at
@@ -15,44 +17,59 @@ from __future__ import annotations
 from typing import Any
 
 from prfaas.config import Config
-from prfaas.security import runtime
+from prfaas.limits import DEFAULT, WireLimits
 from prfaas.security.apikeys import PROTECTED, ApiKeyGuard, parse_keys
 from prfaas.security.asgi import RoleGuard, peer_of
 from prfaas.security.bodylimit import BodyLimit
 from prfaas.security.identity import Peer
 from prfaas.security.refusals import Record, own_audit, refused
+from prfaas.security.runtime import PLAINTEXT, Security
 
 INSTANCE_RULES = (("/prefill", "assign"), ("/generate", "assign"), ("/tokenize", "assign"),
                   ("/stats", "inspect"), ("/debug/", "inspect"))
 ROUTER_RULES = (("/internal/", "register"),)
 
 
-def protect_instance(app: Any, record: Record | None = None, config: Config | None = None, name: str = "") -> None:
+def protect_instance(app: Any, record: Record | None = None, config: Config | None = None, name: str = "",
+                     security: Security = PLAINTEXT) -> None:
     """The body limit, and with TLS the role guard; ``record`` gets each refusal (an instance without a store
-    passes ``config`` and its ``name`` to get an audit log of its own)."""
-    app.add_middleware(BodyLimit)
-    if not runtime.enabled():
+    passes ``config`` and its ``name`` to get an audit log of its own); ``config.limits`` (the defaults
+    without a config) bound its requests."""
+    limit_requests(app, config.limits if config is not None else DEFAULT)
+    if not security.enabled():
         return
     if record is None and config is not None:
         record = own_audit(app, config, name)
     on_refused = _recorder(record)
     app.state.tls_refused = on_refused
-    app.add_middleware(RoleGuard, rules=INSTANCE_RULES, on_refused=on_refused)
+    app.add_middleware(RoleGuard, rules=INSTANCE_RULES, on_refused=on_refused, required=security.required())
 
 
-def protect_router(app: Any, config: Config) -> None:
+def protect_router(app: Any, config: Config, security: Security = PLAINTEXT) -> None:
     """The body limit, API keys on the public routes (when configured) and, with TLS, the role guard on
     ``/internal/*``; refusals go to the router's own audit log when ``audit_log`` is set."""
-    app.add_middleware(BodyLimit)
+    limit_requests(app, config.limits)
     record = own_audit(app, config, "router")
     on_refused = _recorder(record)
     app.state.tls_refused = on_refused
-    if runtime.enabled():
-        app.add_middleware(RoleGuard, rules=ROUTER_RULES, on_refused=on_refused)
+    if security.enabled():
+        app.add_middleware(RoleGuard, rules=ROUTER_RULES, on_refused=on_refused, required=security.required())
     keys = parse_keys(config.api_keys)
     if keys:
         app.add_middleware(ApiKeyGuard, keys=keys)
         app.add_middleware(KeyRefusals, record=record)
+
+
+def limit_requests(app: Any, limits: WireLimits) -> None:
+    """``limits`` for ``app``'s requests: its body limit here, the rest read from ``app.state.limits``."""
+    app.state.limits = limits
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+
+
+def limits_of(app: Any) -> WireLimits:
+    """The limits ``limit_requests`` gave ``app``; the defaults for an app it never saw."""
+    limits: WireLimits = getattr(app.state, "limits", DEFAULT)
+    return limits
 
 
 def _recorder(record: Record | None) -> Any:

@@ -27,7 +27,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from prfaas.errors import RequestTimeout
-from prfaas.security.limits import WireLimits
+from prfaas.limits import WireLimits
 
 log = logging.getLogger("prfaas.security")
 

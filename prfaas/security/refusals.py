@@ -20,8 +20,8 @@ from typing import Any
 from prfaas.audit import AuditLog
 from prfaas.config import Config
 from prfaas.errors import KVUnauthorized
+from prfaas.records import AccessRecord
 from prfaas.security.identity import Peer
-from prfaas.store.records import AccessRecord
 
 log = logging.getLogger("prfaas.security")
 Record = Callable[[AccessRecord], None]

@@ -1,8 +1,10 @@
-"""This process's TLS settings, set once at start-up by ``prfaas serve`` (``configure``) and read by every client
-and server the role opens (data-plane push/pull/release, heartbeats, the router's calls, uvicorn).
+"""``Security``: a role's TLS settings, built once at start-up from its config (``Security.of``) and held by the
+role, which hands its contexts to every client and server it opens (data-plane push/pull/release, heartbeats, the
+router's calls, uvicorn).
 
-One process runs one role, so one setting per process is enough; with nothing configured every call returns the
-plaintext answer (None / ``http``), which keeps in-process tests and plaintext deployments unchanged.
+Nothing is process-wide: two roles in one process (tests) each hold their own. ``PLAINTEXT``, a frozen value, is
+what anything given no ``Security`` uses: every call answers plaintext (None / ``http``), which keeps in-process
+tests and plaintext deployments unchanged.
 """
 
 from __future__ import annotations
@@ -10,63 +12,54 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass
 
+from prfaas import tls as tls_contexts
 from prfaas.config import Config, TLSConfig
-from prfaas.security import limits
-from prfaas.security import tls as tls_contexts
+from prfaas.errors import InvalidRequest
 
 
-@dataclass
-class _Settings:
-    tls: TLSConfig
-    role: str
+@dataclass(frozen=True)
+class Security:
+    """A role's TLS: ``tls`` None is plaintext; ``client`` is the context of its outgoing connections."""
+
+    tls: TLSConfig | None = None
+    role: str = ""
     client: ssl.SSLContext | None = None
 
+    @classmethod
+    def of(cls, config: Config, role: str) -> Security:
+        """``config.tls`` for a process running ``role``; ``InvalidRequest`` if TLS is required but not set up or
+        a file cannot be loaded. Contexts are built here, so a bad file stops the process at start."""
+        if config.tls.required and not tls_contexts.enabled(config.tls):
+            raise InvalidRequest("tls.required is set but tls.ca, tls.cert and tls.key are not all given")
+        if not tls_contexts.enabled(config.tls):
+            return PLAINTEXT
+        security = cls(config.tls, role, tls_contexts.client_context(config.tls))
+        tls_contexts.server_context(config.tls)
+        if config.tls.crl:
+            tls_contexts.watch_crls()  # `prfaas certs revoke` takes effect without a restart
+        return security
 
-_CURRENT: _Settings | None = None
+    def enabled(self) -> bool:
+        return self.tls is not None
 
+    def required(self) -> bool:
+        """Peers must present certificates (``tls.required``)."""
+        return self.tls is not None and self.tls.required
 
-def configure(config: Config, role: str) -> None:
-    """Use ``config.tls`` and ``config.limits`` for this process (as ``role``); ``InvalidRequest`` if TLS is
-    required but not set up or a file cannot be loaded. Contexts are built here, so a bad file stops the process
-    at start."""
-    global _CURRENT
-    limits.configure(config.limits)
-    if config.tls.required and not tls_contexts.enabled(config.tls):
-        from prfaas.errors import InvalidRequest
+    def client_ssl(self) -> ssl.SSLContext | None:
+        """The context for the role's outgoing connections (data plane and HTTP), or None for plaintext."""
+        return self.client
 
-        raise InvalidRequest("tls.required is set but tls.ca, tls.cert and tls.key are not all given")
-    if not tls_contexts.enabled(config.tls):
-        _CURRENT = None
-        return
-    _CURRENT = _Settings(config.tls, role, tls_contexts.client_context(config.tls))
-    tls_contexts.server_context(config.tls)
-    if config.tls.crl:
-        tls_contexts.watch_crls()  # `prfaas certs revoke` takes effect without a restart
+    def server_ssl(self, client_certs: bool | None = None) -> ssl.SSLContext | None:
+        """A new server context (see ``tls.server_context``), or None for plaintext."""
+        return tls_contexts.server_context(self.tls, client_certs) if self.tls is not None else None
 
+    def http_verify(self) -> ssl.SSLContext | bool:
+        """``verify=`` for httpx clients: our client context (CA + our certificate) or the default."""
+        return self.client or True
 
-def enabled() -> bool:
-    return _CURRENT is not None
-
-
-def required() -> bool:
-    """Peers must present certificates (``tls.required``)."""
-    return _CURRENT is not None and _CURRENT.tls.required
-
-
-def client_ssl() -> ssl.SSLContext | None:
-    """The context for this process's outgoing connections (data plane and HTTP), or None for plaintext."""
-    return _CURRENT.client if _CURRENT else None
-
-
-def server_ssl(client_certs: bool | None = None) -> ssl.SSLContext | None:
-    """A new server context (see ``tls.server_context``), or None for plaintext."""
-    return tls_contexts.server_context(_CURRENT.tls, client_certs) if _CURRENT else None
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
 
 
-def http_verify() -> ssl.SSLContext | bool:
-    """``verify=`` for httpx clients: our client context (CA + our certificate) or the default."""
-    return client_ssl() or True
-
-
-def scheme() -> str:
-    return "https" if _CURRENT else "http"
+PLAINTEXT = Security()

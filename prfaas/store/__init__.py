@@ -1,10 +1,7 @@
 """KV blob stores: TTL + LRU under a byte budget, release by the consumer, one deletion record per blob, one access
 record per create/finish/read/release/abort. Backends: memory (default) and Redis (``open_store``)."""
 
-from prfaas.store.access import accessing
-from prfaas.store.backend import FrameBackend, MemoryBackend
-from prfaas.store.core import BlobStore
-from prfaas.store.records import (
+from prfaas.records import (
     ABORTED,
     EVICTED,
     EXPIRED,
@@ -17,6 +14,9 @@ from prfaas.store.records import (
     LiveBlob,
     StoreStats,
 )
+from prfaas.store.access import accessing
+from prfaas.store.backend import FrameBackend, MemoryBackend
+from prfaas.store.core import BlobStore
 
 __all__ = [
     "ABORTED", "EVICTED", "EXPIRED", "READY", "RELEASED", "SHUTDOWN", "WRITING", "AccessRecord", "BlobStore",

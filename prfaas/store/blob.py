@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from prfaas.records import READY, WRITING, LiveBlob
 from prfaas.store.backend import BlobMeta
-from prfaas.store.records import READY, WRITING, LiveBlob
 
 
 @dataclass(eq=False)

@@ -21,13 +21,15 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 
+from prfaas import records as r
 from prfaas.errors import InvalidRequest, KVStoreFull, KVTimeout, KVUnavailable, PrfaasError
+from prfaas.limits import DEFAULT as DEFAULT_LIMITS
+from prfaas.limits import WireLimits
+from prfaas.records import DeletionRecord, LiveBlob, StoreStats, gone_error
 from prfaas.store import access, checks
-from prfaas.store import records as r
 from prfaas.store.backend import HEADER, TRAILER, FrameBackend, MemoryBackend
 from prfaas.store.blob import Blob
 from prfaas.store.ledger import Ledger, OnAccess, OnDelete, Tally
-from prfaas.store.records import DeletionRecord, LiveBlob, StoreStats, gone_error
 
 log = logging.getLogger(__name__)
 GONE_MEMORY = 65536  # ended kv_ids remembered, so a late reader learns why (KV_EXPIRED vs KV_NOT_FOUND)
@@ -40,12 +42,13 @@ class BlobStore:
     local call when no ``prfaas.store.access.accessing`` block names someone else. A blob's own TTL (a Put's
     ``ttl_ms``, a tenant's override) may shorten or lengthen ``ttl_s`` up to ``max_ttl_s`` (default ``ttl_s``);
     a longer one is cut to it, so no writer can keep a blob beyond what the configuration allows, and a writer
-    whose tenant policy this store lacks still gets its blob stored."""
+    whose tenant policy this store lacks still gets its blob stored. ``limits``: the wire limits a writer's
+    frames are checked against (the role's ``config.limits``; the defaults when none are given)."""
 
     def __init__(self, budget_bytes: int, ttl_s: float, on_delete: OnDelete | None = None,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time, *,
                  backend: FrameBackend | None = None, on_access: OnAccess | None = None,
-                 owner: str = "local", max_ttl_s: float = 0.0) -> None:
+                 owner: str = "local", max_ttl_s: float = 0.0, limits: WireLimits = DEFAULT_LIMITS) -> None:
         if budget_bytes <= 0 or ttl_s <= 0 or max_ttl_s < 0:
             raise InvalidRequest("store budget and TTL must be positive")
         self.budget_bytes, self.ttl_s, self._clock, self._wall = budget_bytes, ttl_s, clock, wall
@@ -57,6 +60,7 @@ class BlobStore:
         self._bytes = 0
         self._closed = False
         self._lock = threading.RLock()
+        self.limits = limits
         self._adopt()
 
     @property
@@ -74,7 +78,7 @@ class BlobStore:
         ``KVStoreFull`` when even evicting idle ready blobs leaves no room, ``KVUnavailable`` after ``close`` or
         when the backend is down."""
         with self._audit(r.CREATE, kv_id, len(header_frame)):
-            header, frame = checks.header(kv_id, header_frame)
+            header, frame = checks.header(kv_id, header_frame, self.limits)
             if ttl_s < 0:
                 raise InvalidRequest(f"blob TTL must be positive, not {ttl_s}")
             if ttl_s > self.max_ttl_s:  # a TTL comes off the wire: never let a writer pin memory past the config
@@ -95,7 +99,7 @@ class BlobStore:
         """Add the next chunk frame (head + data, verified here). ``KVBadFormat`` if out of order or over the
         chunk size, ``KVCorrupt`` on a checksum mismatch, ``KVStoreFull`` over budget (the blob stays writing: the
         writer may retry or ``abort``), ``KVNotFound``/``KVExpired`` if the blob has ended."""
-        index, length = checks.chunk(kv_id, chunk_frame)
+        index, length = checks.chunk(kv_id, chunk_frame, self.limits)
         with self._lock:
             blob = self._writing(kv_id)
             checks.in_order(blob, index, length)
@@ -110,7 +114,7 @@ class BlobStore:
         with self._lock, self._audit(r.FINISH, kv_id, 0) as sizes:
             blob = self._writing(kv_id)
             sizes.tenant = blob.tenant
-            blob.ready, blob.payload_xxh64 = True, checks.trailer(blob, trailer_frame).payload_xxh64
+            blob.ready, blob.payload_xxh64 = True, checks.trailer(blob, trailer_frame, self.limits).payload_xxh64
             blob.nbytes += len(trailer_frame)
             self._store(blob, TRAILER, bytes(trailer_frame), len(trailer_frame))
             sizes.bytes = blob.nbytes

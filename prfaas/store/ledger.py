@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from prfaas.records import OK, AccessRecord, DeletionRecord
 from prfaas.store import access
 from prfaas.store.blob import Blob
-from prfaas.store.records import OK, AccessRecord, DeletionRecord
 
 log = logging.getLogger(__name__)
 MAX_RECORDS = 100_000  # kept in ``records``; the durable copy is whatever ``on_delete`` writes

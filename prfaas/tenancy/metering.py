@@ -28,7 +28,7 @@ from typing import Any
 
 from prfaas.audit.chain import ChainLog
 from prfaas.obs import metrics
-from prfaas.store.records import DeletionRecord
+from prfaas.records import DeletionRecord
 
 REQUEST = "request"
 

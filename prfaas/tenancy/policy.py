@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prfaas.errors import InvalidRequest
-from prfaas.scheduler.ratelimit import TokenBucket
+from prfaas.ratelimit import TokenBucket
+from prfaas.tenancy.redact import load_hook
 
 DEFAULT_TENANT = "default"
 TTL_LIMITS = (60.0, 300.0)
@@ -83,8 +84,6 @@ def parse_policy(name: str, spec: Any) -> TenantPolicy:
         raise InvalidRequest(f"{where}.prompt_may_cross: true or false")
     redact = str(spec.get("redact") or "")
     if redact:
-        from prfaas.tenancy.redact import load_hook
-
         load_hook(redact)  # refuse an unknown hook at start, not on the first request
     return TenantPolicy(name, tuple(dcs), spec.get("prompt_may_cross", True), codec, ttl, qps, redact)
 

@@ -13,7 +13,8 @@ state (decode drops it when the KV is restored into its model cache, which copie
 reference count falls back to the pool's own and the arena is free again. No release call, and no way to hand out
 memory that someone still reads.
 
-Bound: at most ``max_blobs`` arenas (``max_inflight_kv``) per pool; when all are in use a reader gets a fresh,
+Ownership: one pool per role, in its ``prfaas.transfer.context.TransferContext``. Bound: at most ``max_blobs``
+arenas (``max_inflight_kv``) per pool; when all are in use a reader gets a fresh,
 untracked mapping, unmapped as usual when dropped. Idle memory: besides the arenas in use the pool keeps at most
 ``SPARE`` free ones (the rest are unmapped at the next ``take``), so a burst of pulls does not pin its peak memory
 while sequential pulls still always find a touched arena. Thread-safe.
@@ -29,8 +30,6 @@ import numpy as np
 
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux; Python 3.11 does not export it
 SPARE = 1  # free arenas kept beyond those in use
-_POOLS: dict[int, ArenaPool] = {}
-_POOLS_LOCK = threading.Lock()
 
 
 def new_arena(capacity: int) -> np.ndarray:
@@ -98,11 +97,3 @@ class ArenaPool:
         """Forget every arena (memory in use stays valid: its users hold it)."""
         with self._lock:
             self._arenas.clear()
-
-
-def process_pool(max_blobs: int) -> ArenaPool:
-    """This process's pool for ``max_inflight_kv`` = ``max_blobs``."""
-    with _POOLS_LOCK:
-        if max_blobs not in _POOLS:
-            _POOLS[max_blobs] = ArenaPool(max_blobs)
-        return _POOLS[max_blobs]

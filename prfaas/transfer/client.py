@@ -4,7 +4,7 @@ before returning, whatever happens. Frames are sent from their own memory (no co
 
 Timeouts: ``timeout_s`` bounds each wait on the network — connecting, one reply, one frame (one chunk is one
 "transfer" in the contract's sense). The caller bounds the whole blob: its deadline is chunk count × (chunk bytes
-/ measured bandwidth) + ``kv_transfer_timeout_ms`` (CONTRACTS.md), e.g. with ``asyncio.timeout`` around ``pull``.
+/ measured bandwidth) + ``kv_transfer_timeout_ms`` (docs/contracts.md), e.g. with ``asyncio.timeout`` around ``pull``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from typing import Any
 
 from prfaas.errors import KVTimeout, PrfaasError
 from prfaas.kv.format import CHUNK_HEAD_SIZE
-from prfaas.store.records import DeletionRecord, StoreStats
+from prfaas.limits import WireLimits
+from prfaas.records import DeletionRecord, StoreStats
 from prfaas.transfer import protocol as p
 from prfaas.transfer import stats, tcp
 from prfaas.transfer.conn import close, connect, mapped
+from prfaas.transfer.context import TransferContext
 from prfaas.transfer.pull import backoff, pull
 from prfaas.transfer.wire import Conn
 
@@ -33,24 +35,26 @@ EARLY_REPLY_S = 0.5
 
 async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable[bytes], *,
                ssl: ssl_module.SSLContext | None = None, timeout_s: float, idle_s: float = 30.0,
-               deadline_s: float | None = None, limit: stats.InflightLimit | None = None, tenant: str = "",
-               ttl_s: float = 0.0, on_created: Callable[[], None] | None = None) -> None:
+               deadline_s: float | None = None, tenant: str = "", ttl_s: float = 0.0,
+               on_created: Callable[[], None] | None = None, context: TransferContext | None = None) -> None:
     """Stream blob ``kv_id`` (its frames: header, chunks, trailer) into the store at ``address`` as ``frames``
     yields them; returns once the store holds the whole blob, kept for ``tenant`` (its records say so) for
     ``ttl_s`` (0: the store's TTL). ``timeout_s`` bounds each network wait; ``idle_s``
     is how long the server waits for the next frame (the producer's pace). On failure the server aborts the
     blob (no partial blob is left) and its error (``KVStoreFull``, ``KVCorrupt``, …) is raised here; transport
     failures raise ``KVUnavailable``/``KVTruncated``/``KVTimeout``. No retry: ``frames`` cannot be replayed.
-    ``deadline_s`` bounds the whole push (``KVTimeout``); ``limit`` is ``max_inflight_kv``. ``on_created`` is
-    called once the store has created the blob (its ``ack_created`` reply), before the rest is sent and stored."""
-    recorder = stats.RECORDERS["push"]
-    async with stats.maybe_slot(limit):
+    ``deadline_s`` bounds the whole push (``KVTimeout``). ``on_created`` is called once the store has created the
+    blob (its ``ack_created`` reply), before the rest is sent and stored. ``context`` is the role's (as for
+    ``pull``: limits, client TLS when ``ssl`` is not given, ``max_inflight_kv``, stats; without one, a fresh one)."""
+    ctx = context or TransferContext()
+    recorder = ctx.stats.push
+    async with stats.maybe_slot(ctx.inflight):
         recorder.started()
         start, sent = time.perf_counter(), [0]
         try:
             async with asyncio.timeout(deadline_s):
                 put = p.Put(kv_id, max(1, int(idle_s * 1000)), tenant, int(ttl_s * 1000), on_created is not None)
-                await _push(address, put, frames, ssl, timeout_s, sent, on_created)
+                await _push(address, put, frames, ssl or ctx.client_ssl, timeout_s, sent, on_created, ctx)
         except TimeoutError as exc:
             recorder.finished(False, time.perf_counter() - start, 0, KVTimeout.code)
             raise KVTimeout(f"push {kv_id}: blob deadline of {deadline_s} s passed") from exc
@@ -62,10 +66,10 @@ async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable
 
 async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterable[bytes],
                 ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int],
-                on_created: Callable[[], None] | None) -> None:
+                on_created: Callable[[], None] | None, ctx: TransferContext) -> None:
     kv_id = put.kv_id
     conn = await connect(address, ssl, timeout_s)
-    reply = asyncio.create_task(_final_reply(conn, on_created))
+    reply = asyncio.create_task(_final_reply(conn, on_created, ctx.limits))
     try:
         with mapped(f"push {kv_id}"):
             try:
@@ -79,7 +83,7 @@ async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterabl
     finally:
         reply.cancel()
         await asyncio.gather(reply, return_exceptions=True)
-        stats.RECORDERS["push"].connection(tcp.tcp_info(conn.sock))
+        ctx.stats.push.connection(tcp.tcp_info(conn.sock))
         await close(conn)
 
 
@@ -94,13 +98,13 @@ async def _send_frames(conn: Conn, frames: AsyncIterable[bytes] | Iterable[bytes
             sent[0] += len(frame) - CHUNK_HEAD_SIZE
 
 
-async def _final_reply(conn: Conn, on_created: Callable[[], None] | None) -> p.Message:
+async def _final_reply(conn: Conn, on_created: Callable[[], None] | None, limits: WireLimits) -> p.Message:
     """The Put's last reply; with ``on_created``, the creation ``Ok`` before it is taken and reported first."""
-    message = await p.read_message(conn)
+    message = await p.read_message(conn, limits)
     if on_created is None or not isinstance(message, p.Ok):
         return message
     on_created()
-    return await p.read_message(conn)
+    return await p.read_message(conn, limits)
 
 
 async def _raise_early_reply(reply: asyncio.Task[p.Message]) -> None:

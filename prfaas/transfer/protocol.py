@@ -26,11 +26,12 @@ then on), before the final ``Ok`` once the trailer is in: the pusher can tell it
 ``wait_ms`` is how long the server waits for the next chunk that
 is still being written (Get) or for the next frame from the pusher (Put) before answering ``KV_TIMEOUT``.
 
-Every length read from the wire is bounded before anything is allocated, by the process's wire limits
-(``prfaas.security.limits``): control messages by ``max_message_bytes``, header/trailer metadata by
-``max_meta_bytes``, chunks by the blob's own chunk size (itself at most ``max_chunk_bytes``). Memory follows the
-bytes that arrived, not the lengths claimed: a request is read as a control frame only (any other tag is refused
-before its head is read), and a chunk over ``LAZY_FROM`` is received into memory committed as its payload arrives.
+Every length read from the wire is bounded before anything is allocated, by the wire limits the caller passes
+(``prfaas.limits.WireLimits``: the role's ``config.limits``, the defaults when none are given): control messages by
+``max_message_bytes``, header/trailer metadata by ``max_meta_bytes``, chunks by the blob's own chunk size (itself at
+most ``max_chunk_bytes``). Memory follows the bytes that arrived, not the lengths claimed: a request is read as a
+control frame only (any other tag is refused before its head is read), and a chunk over ``LAZY_FROM`` is received into
+memory committed as its payload arrives.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ from prfaas.kv.format import (
     meta_length,
     parse_chunk_head,
 )
-from prfaas.security import limits
-from prfaas.store.records import DeletionRecord, StoreStats
+from prfaas.limits import DEFAULT as DEFAULT_LIMITS
+from prfaas.limits import WireLimits
+from prfaas.records import DeletionRecord, StoreStats
 from prfaas.transfer.wire import Conn
 
 PROTOCOL_VERSION = 1
@@ -133,8 +135,9 @@ def encode(message: Message) -> bytes:
     return _MSG_HEAD.pack(b"M", len(body), xxhash.xxh32_intdigest(body)) + body
 
 
-def decode(body: bytes) -> Message:
-    """The message in a control frame's body, every field type-checked. ``KVBadFormat`` if it is not one."""
+def decode(body: bytes, limits: WireLimits = DEFAULT_LIMITS) -> Message:
+    """The message in a control frame's body, every field type-checked (a Get's stride against ``limits``).
+    ``KVBadFormat`` if it is not one."""
     try:
         version, tag, values = msgpack.unpackb(body, raw=False)
     except Exception as exc:
@@ -147,7 +150,7 @@ def decode(body: bytes) -> Message:
     if not required <= set(values) <= set(spec) or not all(isinstance(values[k], spec[k]) for k in values):
         raise KVBadFormat(f"control message {tag!r} has wrong fields: {sorted(values)[:10]}")
     message: Message = cls(**values)
-    if isinstance(message, Get) and not 0 <= message.offset < message.stride <= limits.current().max_stride:
+    if isinstance(message, Get) and not 0 <= message.offset < message.stride <= limits.max_stride:
         raise KVBadFormat(f"Get stride {message.stride} / offset {message.offset} out of limits")
     return message
 
@@ -175,16 +178,17 @@ class Frame:
         return self.frame if self.frame is not None else self.head + bytes(self.data)
 
 
-async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | None = None) -> Frame:
+async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | None = None,
+                     limits: WireLimits = DEFAULT_LIMITS) -> Frame:
     """Read exactly one frame from ``conn``. A chunk's data goes into ``buffer(length)`` when given (the caller's
     preallocated memory), else into a fresh buffer that also holds the head (``frame``). ``KVCorrupt`` for a
     damaged head or an unknown tag, ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError``
-    if the peer closes mid-frame."""
+    if the peer closes mid-frame. ``max_chunk`` defaults to ``limits.max_chunk_bytes``."""
     tag = bytes(await conn.read_exactly(1))
     if tag == b"C":
         head = tag + bytes(await conn.read_exactly(CHUNK_HEAD_SIZE - 1))
-        index, length, checksum = parse_chunk_head(head)
-        max_chunk = limits.current().max_chunk_bytes if max_chunk is None else max_chunk
+        index, length, checksum = parse_chunk_head(head, limits)
+        max_chunk = limits.max_chunk_bytes if max_chunk is None else max_chunk
         if length > max_chunk:
             raise KVBadFormat(f"chunk {index} claims {length} bytes, over the blob's chunk size {max_chunk}")
         if buffer is not None:
@@ -195,10 +199,10 @@ async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | 
         return Frame(tag, head, memoryview(whole)[CHUNK_HEAD_SIZE:], index, checksum, frame=whole)
     if tag in (b"P", b"T"):
         head = tag + bytes(await conn.read_exactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1))
-        rest = bytes(await conn.read_exactly(meta_length(head) + META_SUM_SIZE))
+        rest = bytes(await conn.read_exactly(meta_length(head, limits) + META_SUM_SIZE))
         return Frame(tag, head, rest, frame=head + rest)
     if tag == b"M":
-        return Frame(tag, message=await _read_message_body(conn))
+        return Frame(tag, message=await _read_message_body(conn, limits))
     raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
 
 
@@ -223,24 +227,24 @@ def _lazy(size: int) -> memoryview:
     return memoryview(region)
 
 
-async def _read_message_body(conn: Conn) -> Message:
+async def _read_message_body(conn: Conn, limits: WireLimits) -> Message:
     _, n, checksum = _MSG_HEAD.unpack(b"M" + bytes(await conn.read_exactly(_MSG_HEAD.size - 1)))
-    if n > limits.current().max_message_bytes:
-        raise KVBadFormat(f"control message of {n} bytes is over the {limits.current().max_message_bytes}-byte limit")
+    if n > limits.max_message_bytes:
+        raise KVBadFormat(f"control message of {n} bytes is over the {limits.max_message_bytes}-byte limit")
     body = bytes(await conn.read_exactly(n))
     if xxhash.xxh32_intdigest(body) != checksum:
         raise KVCorrupt("control message failed its xxHash32 check")
-    return decode(body)
+    return decode(body, limits)
 
 
-async def read_message(conn: Conn) -> Message:
+async def read_message(conn: Conn, limits: WireLimits = DEFAULT_LIMITS) -> Message:
     """Read one control frame; anything else is ``KVBadFormat``, refused at its tag byte: a server reads a
     request with this before it knows what the peer may do, so nothing a peer sends is buffered beyond
     ``max_message_bytes`` before its request is authorised. An ``Error`` is returned, not raised."""
     tag = bytes(await conn.read_exactly(1))
     if tag != b"M":
         raise KVBadFormat(f"expected a control message, got a {tag!r} frame")
-    return await _read_message_body(conn)
+    return await _read_message_body(conn, limits)
 
 
 def expect(message: Message, cls: type[Any]) -> Any:

@@ -1,14 +1,14 @@
 """``pull``: read one blob out of a remote store over ``streams`` TCP connections striped by chunk.
 
-Pipeline of one attempt: each stripe connection receives its chunks (``Get`` with ``stride``/``offset``) straight
-into their final place: the reader's payload arena (``buffers``: reused, page-touched memory, one per blob,
-``max_inflight_kv`` of them per process), where chunk ``i`` sits at ``i × chunk_size`` and the layers' tensors end
-up as views — the kernel's copy is the only one. One feeder verifies the chunks (xxHash64, once per byte) and
-feeds them to the ``BlobReader`` in chunk order on a worker thread while the event loop keeps receiving. Memory is
-the blob's own arena, so a stripe may run ahead of the feeder without holding anything extra. A reader that cannot
-take an arena (one already under way) gets each chunk in a fresh buffer, copied into its layers. A stripe that
-fails ends the attempt; the next attempt resumes every stripe from ``reader.next_chunk`` (the last verified chunk)
-on new connections, overwriting whatever unverified chunks the failed one left in the arena.
+Pipeline of one attempt: each stripe connection receives its chunks (``Get`` with ``stride``/``offset``) straight into
+their final place: the reader's payload arena (``buffers``: reused, page-touched memory, one per blob,
+``max_inflight_kv`` of them in the role's ``TransferContext``), where chunk ``i`` sits at ``i × chunk_size`` and the
+layers' tensors end up as views — the kernel's copy is the only one. One feeder verifies the chunks (xxHash64, once per
+byte) and feeds them to the ``BlobReader`` in chunk order on a worker thread while the event loop keeps receiving.
+Memory is the blob's own arena, so a stripe may run ahead of the feeder without holding anything extra. A reader that
+cannot take an arena (one already under way) gets each chunk in a fresh buffer, copied into its layers. A stripe that
+fails ends the attempt; the next attempt resumes every stripe from ``reader.next_chunk`` (the last verified chunk) on
+new connections, overwriting whatever unverified chunks the failed one left in the arena.
 """
 
 from __future__ import annotations
@@ -20,22 +20,21 @@ import logging
 import ssl as ssl_module
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTimeout, KVTruncated, KVUnavailable, PrfaasError
 from prfaas.kv.format import BlobReader, parse_trailer
 from prfaas.kv.state import KVState, LayerState
-from prfaas.transfer import buffers, stats
 from prfaas.transfer import protocol as p
+from prfaas.transfer import stats
 from prfaas.transfer.conn import close, connect, mapped
+from prfaas.transfer.context import TransferContext
+from prfaas.transfer.tcp import tcp_info
 from prfaas.transfer.wire import Conn
 
 log = logging.getLogger(__name__)
 RESUMABLE = (KVTimeout, KVCorrupt, KVTruncated, KVUnavailable)
 BACKOFF_S, BACKOFF_CAP_S = 0.05, 2.0
 BATCH = 8  # at most this many consecutive received chunks verified per hand-off to a worker
-POOL_BLOBS = 4  # arenas kept for pulls without a ``max_inflight_kv`` limit
-_VERIFY = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prfaas-verify")
 
 LayersCallback = Callable[[list[LayerState]], None]
 
@@ -52,29 +51,31 @@ async def pull(address: str, kv_id: str, reader: BlobReader, *, timeout_s: float
                ssl: ssl_module.SSLContext | None = None, on_layers: LayersCallback | None = None,
                backoff_s: float = BACKOFF_S, on_retry: Callable[[int, PrfaasError], None] | None = None,
                streams: int = 1, deadline_s: float | None = None,
-               limit: stats.InflightLimit | None = None) -> KVState:
+               context: TransferContext | None = None) -> KVState:
     """Read blob ``kv_id`` from the store at ``address`` into ``reader`` (the caller owns it) and return the
-    verified state. ``streams`` connections share the chunks. A reset, a stall past ``timeout_s`` (one chunk's
-    wait), a corrupt chunk (never used: fetched again) or a truncated stream resumes from ``reader.next_chunk``
-    on new connections, after exponential backoff with jitter, at most ``retries`` times and only while the
-    process-wide retry cap allows (``stats``); then the last error is raised. ``KVNotFound``, ``KVExpired``,
-    ``KVBadFormat``, ``KVIncompatible`` and ``KVTooLarge`` are raised at once. ``deadline_s`` bounds the whole
-    pull (``KVTimeout``; see ``stats.blob_deadline_s``); ``limit`` is ``max_inflight_kv``. ``on_layers`` gets
-    layers as they complete; ``on_retry`` is told each retry. No task, socket or buffer outlives the call.
-    Chunks are received into a reused arena (``buffers``; ``limit.limit`` arenas per process) that the returned
-    state's tensors are views of; it is reused once the caller drops the state and ``reader``."""
-    recorder = stats.RECORDERS["pull"]
+    verified state; every frame is checked against ``reader.limits``. ``streams`` connections share the chunks. A
+    reset, a stall past ``timeout_s`` (one chunk's wait), a corrupt chunk (never used: fetched again) or a truncated
+    stream resumes from ``reader.next_chunk`` on new connections, after exponential backoff with jitter, at most
+    ``retries`` times and only while the role's retry cap allows (``context.stats``); then the last error is raised.
+    ``KVNotFound``, ``KVExpired``, ``KVBadFormat``, ``KVIncompatible`` and ``KVTooLarge`` are raised at once.
+    ``deadline_s`` bounds the whole pull (``KVTimeout``; see ``stats.blob_deadline_s``). ``context`` is the role's
+    (``prfaas.transfer.context``: client TLS when ``ssl`` is not given, ``max_inflight_kv``, arenas, verify threads,
+    stats); without one the call gets a fresh one of its own. ``on_layers`` gets layers as they complete;
+    ``on_retry`` is told each retry. No task, socket or buffer outlives the call. Chunks are received into a reused
+    arena (``context.arenas``) that the returned state's tensors are views of; it is reused once the caller drops
+    the state and ``reader``."""
+    ctx = context or TransferContext()
+    recorder = ctx.stats.pull
     if reader.retain and reader.arena is None and not reader.next_chunk:
-        pool = buffers.process_pool(limit.limit if limit is not None else POOL_BLOBS)
         with contextlib.suppress(OSError):  # no mapping that large (strict overcommit): the reader copies instead
-            reader.use_arena(pool.take(reader.max_bytes))
-    async with stats.maybe_slot(limit):
+            reader.use_arena(ctx.arenas.take(reader.max_bytes))
+    async with stats.maybe_slot(ctx.inflight):
         recorder.started()
         start = time.perf_counter()
         try:
             async with asyncio.timeout(deadline_s):
-                state = await _attempts(address, kv_id, reader, timeout_s, retries, ssl, on_layers, backoff_s,
-                                        on_retry, max(1, streams))
+                state = await _attempts(address, kv_id, reader, timeout_s, retries, ssl or ctx.client_ssl,
+                                        on_layers, backoff_s, on_retry, max(1, streams), ctx)
         except TimeoutError as exc:
             recorder.finished(False, time.perf_counter() - start, 0, KVTimeout.code)
             raise KVTimeout(f"pull {kv_id}: blob deadline of {deadline_s:.3f} s passed") from exc
@@ -87,14 +88,15 @@ async def pull(address: str, kv_id: str, reader: BlobReader, *, timeout_s: float
 
 async def _attempts(address: str, kv_id: str, reader: BlobReader, timeout_s: float, retries: int,
                     ssl: ssl_module.SSLContext | None, on_layers: LayersCallback | None, backoff_s: float,
-                    on_retry: Callable[[int, PrfaasError], None] | None, streams: int) -> KVState:
+                    on_retry: Callable[[int, PrfaasError], None] | None, streams: int,
+                    ctx: TransferContext) -> KVState:
     attempt = 0
     while True:
         try:
-            await _Attempt(address, kv_id, reader, timeout_s, ssl, on_layers, streams).run()
+            await _Attempt(address, kv_id, reader, timeout_s, ssl, on_layers, streams, ctx).run()
             return reader.state()
         except RESUMABLE as exc:
-            if attempt >= retries or not stats.RECORDERS["pull"].allow_retry(exc.code):
+            if attempt >= retries or not ctx.stats.pull.allow_retry(exc.code):
                 raise
             attempt += 1
             log.info("pull %s: %s; retry %d/%d from chunk %d", kv_id, exc.code, attempt, retries,
@@ -108,9 +110,10 @@ class _Attempt:
     """One try: ``streams`` stripe tasks and one feeder; the first failure cancels the rest."""
 
     def __init__(self, address: str, kv_id: str, reader: BlobReader, timeout_s: float,
-                 ssl: ssl_module.SSLContext | None, on_layers: LayersCallback | None, streams: int) -> None:
+                 ssl: ssl_module.SSLContext | None, on_layers: LayersCallback | None, streams: int,
+                 ctx: TransferContext) -> None:
         self.address, self.kv_id, self.reader, self.timeout_s, self.ssl = address, kv_id, reader, timeout_s, ssl
-        self.on_layers, self.streams = on_layers, streams
+        self.on_layers, self.streams, self.ctx = on_layers, streams, ctx
         self.base = reader.next_chunk
         self.ready: dict[int, tuple[memoryview, int]] = {}
         self.trailer: bytes | bytearray | memoryview | None = None
@@ -141,28 +144,29 @@ class _Attempt:
         await asyncio.gather(feeder, return_exceptions=True)  # a chunk that fails here is simply fetched again
 
     async def _stripe(self, offset: int) -> None:
-        recorder = stats.RECORDERS["pull"]
+        recorder = self.ctx.stats.pull
         conn = await connect(self.address, self.ssl, self.timeout_s, recorder.bandwidth_bps() / self.streams,
                              recorder.rtt_us / 1e6 or None)
         try:
             with mapped(f"pull {self.kv_id}"):
                 await self._receive(conn, offset)
         finally:
-            stats.RECORDERS["pull"].connection(_info(conn))
+            recorder.connection(_info(conn))
             await close(conn)
 
     async def _receive(self, conn: Conn, offset: int) -> None:
         get = p.Get(self.kv_id, self.base, max(1, int(self.timeout_s * 1000)), self.streams, offset)
         async with asyncio.timeout(self.timeout_s):
             await conn.sendall(p.encode(get))
-            p.expect(await p.read_message(conn), p.Ok)
-            first = await p.read_frame(conn, max_chunk=0)
+            p.expect(await p.read_message(conn, self.reader.limits), p.Ok)
+            first = await p.read_frame(conn, max_chunk=0, limits=self.reader.limits)
         self._check_header(first)
         assert self.reader.header is not None
         size, expected = self.reader.header.chunk_size, self.base + offset
         while True:
             async with asyncio.timeout(self.timeout_s):  # a chunk lands where chunk ``expected`` belongs
-                frame = await p.read_frame(conn, size, functools.partial(self.reader.chunk_view, expected))
+                frame = await p.read_frame(conn, size, functools.partial(self.reader.chunk_view, expected),
+                                         self.reader.limits)
             if frame.tag == b"C":
                 if frame.index != expected:
                     raise KVBadFormat(f"chunk {frame.index} arrived where chunk {expected} was due")
@@ -171,7 +175,7 @@ class _Attempt:
                 expected += self.streams
                 continue
             if frame.tag == b"T":
-                parse_trailer(frame.whole)
+                parse_trailer(frame.whole, self.reader.limits)
                 self.trailer = frame.whole
                 self.changed.set()
                 return
@@ -199,7 +203,7 @@ class _Attempt:
                     batch.append((index + len(batch), *more))
                 job = _Job(self.reader, batch)
                 del batch, item
-                work = loop.run_in_executor(_VERIFY, job)
+                work = loop.run_in_executor(self.ctx.verify, job)
                 try:
                     await asyncio.shield(work)
                 except asyncio.CancelledError:
@@ -210,7 +214,7 @@ class _Attempt:
                     self.on_layers(layers)
                 if error is not None:
                     raise error
-            elif self.trailer is not None and parse_trailer(self.trailer).chunk_count == index:
+            elif self.trailer is not None and parse_trailer(self.trailer, self.reader.limits).chunk_count == index:
                 layers = self.reader.feed(self.trailer)
                 if layers and self.on_layers is not None:
                     self.on_layers(layers)
@@ -246,8 +250,6 @@ class _Job:
 
 
 def _info(conn: Conn) -> stats.TcpInfo | None:
-    from prfaas.transfer.tcp import tcp_info
-
     with contextlib.suppress(Exception):
         return tcp_info(conn.sock)
     return None

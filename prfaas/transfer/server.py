@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnauthorized, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
-from prfaas.security.tls import TLS_HANDSHAKE, first_byte
+from prfaas.limits import WireLimits
 from prfaas.store.access import accessing
 from prfaas.store.memory import BlobStore
+from prfaas.tls import TLS_HANDSHAKE, first_byte
 from prfaas.transfer import protocol as p
 from prfaas.transfer import tcp
 from prfaas.transfer.conn import mapped
@@ -33,13 +34,16 @@ LINGER_S = 0.5  # after an error reply, read and drop what the peer still sends,
 
 
 class TransferServer:
-    """Data-plane server for ``store`` on ``host:port`` (port 0: any free port), TLS when ``ssl`` is given."""
+    """Data-plane server for ``store`` on ``host:port`` (port 0: any free port), TLS when ``ssl`` is given.
+    Every frame a peer sends is checked against the store's wire limits (``store.limits``), the ones its frames
+    are checked against again when stored."""
 
     def __init__(self, store: BlobStore, host: str = "127.0.0.1", port: int = 0,
                  ssl: ssl_module.SSLContext | None = None, idle_s: float = 30.0, send_timeout_s: float = 30.0,
                  max_connections: int = 256, authorize: Callable[[p.Message, Conn], None] | None = None,
                  on_tls_refused: Callable[[Conn, BaseException | None], None] | None = None) -> None:
         self.store, self.host, self.port, self.ssl = store, host, port, ssl
+        self.limits: WireLimits = store.limits
         self.authorize = authorize  # raises (KVUnauthorized) to refuse a request before it touches the store
         self.on_tls_refused = on_tls_refused  # a failed handshake (None: a plaintext peer), e.g. to the audit log
         self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
@@ -127,7 +131,7 @@ class TransferServer:
         while True:
             try:
                 async with asyncio.timeout(self.idle_s):
-                    request = await p.read_message(conn)
+                    request = await p.read_message(conn, self.limits)
             except asyncio.IncompleteReadError as exc:
                 if exc.partial:
                     raise
@@ -165,10 +169,10 @@ class TransferServer:
     async def _put(self, request: p.Put, conn: Conn) -> None:
         wait_s = _wait_s(request.wait_ms)
         async with asyncio.timeout(wait_s):
-            first = await p.read_frame(conn, max_chunk=0)
+            first = await p.read_frame(conn, max_chunk=0, limits=self.limits)
         if first.tag != b"P":
             raise KVBadFormat("a Put must start with the blob's header frame")
-        header, frame = parse_header(first.whole)
+        header, frame = parse_header(first.whole, self.limits)
         with accessing(tenant=request.tenant):
             self.store.create(request.kv_id, frame, ttl_s=request.ttl_ms / 1000)
         try:
@@ -185,7 +189,7 @@ class TransferServer:
         """Store the next frame of a Put (received into its own buffer, kept as is); True once the trailer is in."""
         try:
             async with asyncio.timeout(wait_s):
-                frame = await p.read_frame(conn, chunk_size)
+                frame = await p.read_frame(conn, chunk_size, limits=self.limits)
         except TimeoutError as exc:
             raise KVTimeout(f"pusher of {kv_id} sent nothing for {wait_s:.3f} s") from exc
         if frame.tag == b"C":

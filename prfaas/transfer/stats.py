@@ -1,19 +1,20 @@
-"""Congestion signals, deadlines, the global retry cap and the in-flight bound of this process's data plane.
+"""Congestion signals, deadlines, the global retry cap and the in-flight bound of a role's data plane (one
+``LinkRecorder`` per direction and one ``InflightLimit``, held by the role's ``prfaas.transfer.context``).
 
-For the scheduler (additive, stable): ``link_health(op="pull") -> LinkStats`` summarises the last minute of
-transfers this process made: count, failures, success rate, goodput (payload Gbit/s while transferring), P50/P99
+For the scheduler (additive, stable): ``LinkRecorder.health() -> LinkStats`` summarises the last minute of
+transfers the role made: count, failures, success rate, goodput (payload Gbit/s while transferring), P50/P99
 whole-blob seconds, the smoothed TCP RTT and retransmissions seen in ``TCP_INFO``, retries started and refused.
 ``LinkStats.to_dict()`` is JSON-ready (for a heartbeat or a ``/stats`` reply). The same figures are exported as
 ``prfaas_transfer_*`` metrics (``prfaas.obs.metrics``).
 
-Deadline rule (CONTRACTS.md): a blob of ``n`` chunks of ``chunk_bytes`` must arrive within
-``n × chunk_bytes / bandwidth + kv_transfer_timeout_ms``, with ``bandwidth`` the goodput measured over the last
-minute (``FLOOR_BPS`` until something was measured, so a cold process is not stricter than the link).
-``blob_deadline_s`` computes it; ``pull(deadline_s=…)`` enforces it and fails with ``KV_TIMEOUT``. One chunk's
-wait is bounded separately by ``timeout_s`` (the per-chunk "transfer" of the contract).
+Deadline rule (docs/contracts.md): a blob of ``n`` chunks of ``chunk_bytes`` must arrive within ``n × chunk_bytes /
+bandwidth + kv_transfer_timeout_ms``, with ``bandwidth`` the goodput measured over the last minute (``FLOOR_BPS`` until
+something was measured, so a cold process is not stricter than the link). ``blob_deadline_s`` computes it (given
+``LinkRecorder.bandwidth_bps()``); ``pull(deadline_s=…)`` enforces it and fails with ``KV_TIMEOUT``. One chunk's wait is
+bounded separately by ``timeout_s`` (the per-chunk "transfer" of the contract).
 
 Global retry cap: a retry is started only while retries in the last minute stay within 1 % of the transfers
-started in that minute (at least ``MIN_RETRIES`` a minute, so a quiet process can still heal one reset); beyond,
+started in that minute (at least ``MIN_RETRIES`` a minute, so a quiet role can still heal one reset); beyond,
 ``allow_retry`` says no and the caller fails (the router falls back), so a bad link cannot start a retry storm.
 """
 
@@ -135,30 +136,15 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-RECORDERS = {"pull": LinkRecorder("pull"), "push": LinkRecorder("push")}
-
-
-def link_health(op: str = "pull") -> LinkStats:
-    """The last minute of this process's ``op`` transfers (see the module docstring)."""
-    return RECORDERS[op].health()
-
-
-def reset() -> None:
-    """Forget every sample (tests; a process starts empty)."""
-    for op in list(RECORDERS):
-        RECORDERS[op] = LinkRecorder(op)
-
-
-def blob_deadline_s(chunks: int, chunk_bytes: int, timeout_ms: float, bandwidth_bps: float | None = None) -> float:
-    """The contract's whole-blob deadline in seconds (module docstring); ``bandwidth_bps`` defaults to the
-    measured pull goodput."""
-    bps = bandwidth_bps or RECORDERS["pull"].bandwidth_bps()
-    return chunks * chunk_bytes * 8 / bps + timeout_ms / 1e3
+def blob_deadline_s(chunks: int, chunk_bytes: int, timeout_ms: float, bandwidth_bps: float = FLOOR_BPS) -> float:
+    """The contract's whole-blob deadline in seconds (module docstring); ``bandwidth_bps`` is the measured pull
+    goodput (``LinkRecorder.bandwidth_bps()``), ``FLOOR_BPS`` before anything was measured."""
+    return chunks * chunk_bytes * 8 / bandwidth_bps + timeout_ms / 1e3
 
 
 class InflightLimit:
     """``max_inflight_kv``: at most ``limit`` blobs in flight; more callers wait (back-pressure, never an
-    unbounded queue of buffers). One per event loop."""
+    unbounded queue of buffers). One per role, used from its event loop."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -184,15 +170,3 @@ async def maybe_slot(limit: InflightLimit | None) -> AsyncIterator[None]:
     else:
         async with limit.slot():
             yield
-
-
-_LIMITS: dict[tuple[int, int], InflightLimit] = {}
-
-
-def process_limit(limit: int) -> InflightLimit:
-    """This process's ``max_inflight_kv`` bound for the running event loop (made on first use)."""
-    key = (id(asyncio.get_running_loop()), limit)
-    if key not in _LIMITS:
-        _LIMITS.clear()  # one loop per process in the services; an old loop's limit is useless
-        _LIMITS[key] = InflightLimit(limit)
-    return _LIMITS[key]

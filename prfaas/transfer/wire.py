@@ -7,19 +7,14 @@ straight into the caller's preallocated buffer and out of the caller's memoryvie
 
 TLS is an ``ssl.SSLSocket`` on the same non-blocking socket (OpenSSL reads and writes the socket itself), waiting
 for readiness with ``loop.add_reader``/``add_writer``: OpenSSL encrypts out of the caller's memoryview and
-decrypts into the caller's buffer, and no ciphertext passes through Python buffers or memory BIOs. Measured
-against ``ssl.SSLObject`` over memory BIOs (which copied each byte into and out of the BIOs; 2 shared cores,
-OpenSSL 3.0): on loopback sender CPU per GB 10–20 % lower and receiver 5–15 % higher (more, smaller system
-calls), both ends together about the same or a few % lower; across a 10 Gbit veth pair about the same on both
-ends. OpenSSL reads each 16 KiB record with two system calls (its header, then its body): Python's ``ssl`` module
-does not expose read-ahead, which saved 3–9 % of the receiver's CPU in the figures above (set there through
-CPython's private object layout, which prfaas does not ship). What decides TLS goodput here is
-AES-GCM itself (about 4 GB/s per core, ``openssl speed``) on both ends plus the kernel's copies, on two cores shared
-by both ends.
+decrypts into the caller's buffer, and no ciphertext passes through Python buffers or memory BIOs (an
+``ssl.SSLObject`` over memory BIOs would copy every byte into and out of them). OpenSSL reads each 16 KiB record
+with two system calls (its header, then its body); Python's ``ssl`` module offers no read-ahead, and prfaas does
+not reach into CPython's private object layout to set it. What bounds TLS goodput is AES-GCM on both ends plus the
+kernel's copies (docs/transport.md; figures in docs/benchmarks.md).
 
 A reader that has to wait sets ``SO_RCVLOWAT`` to what its frame still lacks (``_expect``), so a chunk arriving
-over a slow path wakes the event loop a few times instead of once per few segments: receiver CPU per GB across a
-1 Gbit veth pair halved, plaintext and TLS.
+over a slow path wakes the event loop a few times instead of once per few segments.
 
 Ownership: a ``Conn`` owns its socket and closes it in ``close`` (idempotent); nothing else is left behind.
 Failures surface as ``OSError``/``ConnectionError``/``ssl.SSLError``/``TimeoutError``; ``conn.mapped`` turns them

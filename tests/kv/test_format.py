@@ -8,7 +8,7 @@ import pytest
 import xxhash
 
 from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTooLarge, KVTruncated, PrfaasError
-from prfaas.kv import BlobReader, BlobWriter, Fingerprint, KVState, LayerState
+from prfaas.kv import BlobReader, BlobWriter, Fingerprint, KVState, LayerState, decode_state, encode_state
 from prfaas.kv.format import MAGIC
 
 FP = Fingerprint("m", "llama", "a" * 16, "b" * 16, "float32", 8192)
@@ -46,8 +46,8 @@ def assert_same(a: KVState, b: KVState) -> None:
 @pytest.mark.parametrize("chunk_size", [4096, 8192, 1 << 20])
 def test_none_round_trip_is_bit_exact(chunk_size: int) -> None:
     state = make_state()
-    blob = state.to_bytes("none", chunk_size=chunk_size)
-    back = KVState.from_bytes(blob)
+    blob = encode_state(state, "none", chunk_size=chunk_size)
+    back = decode_state(blob)
     assert_same(state, back)
     assert back.kv_id and back.kv_id.startswith(FP.short_hash())
     assert back.nbytes == state.nbytes
@@ -55,7 +55,7 @@ def test_none_round_trip_is_bit_exact(chunk_size: int) -> None:
 
 def test_stream_yields_layers_as_chunks_arrive() -> None:
     state = make_state(tokens=400)
-    blob = state.to_bytes("none", chunk_size=4096)
+    blob = encode_state(state, "none", chunk_size=4096)
     reader, seen = BlobReader(), []
     for i in range(0, len(blob), 1000):
         seen.append(len(reader.feed(blob[i:i + 1000])))
@@ -68,13 +68,13 @@ def test_stream_yields_layers_as_chunks_arrive() -> None:
 
 
 def test_every_damaged_byte_is_detected() -> None:
-    blob = make_state(tokens=20).to_bytes("none", chunk_size=4096)
+    blob = encode_state(make_state(tokens=20), "none", chunk_size=4096)
     codes = set()
     for i in range(len(blob)):
         damaged = bytearray(blob)
         damaged[i] ^= 0x04
         with pytest.raises(PrfaasError) as info:
-            KVState.from_bytes(bytes(damaged))
+            decode_state(bytes(damaged))
         expected = KVBadFormat if i < len(MAGIC) else KVCorrupt
         assert isinstance(info.value, expected), (i, info.value)
         codes.add(info.value.code)
@@ -82,34 +82,34 @@ def test_every_damaged_byte_is_detected() -> None:
 
 
 def test_truncation_anywhere_is_truncated() -> None:
-    blob = make_state().to_bytes("none", chunk_size=4096)
+    blob = encode_state(make_state(), "none", chunk_size=4096)
     for n in [*range(0, len(blob), 257), len(blob) - 1]:
         with pytest.raises(KVTruncated):
-            KVState.from_bytes(blob[:n])
+            decode_state(blob[:n])
 
 
 def test_wrong_magic_and_unknown_version() -> None:
-    blob = make_state().to_bytes()
+    blob = encode_state(make_state())
     with pytest.raises(KVBadFormat, match="magic"):
-        KVState.from_bytes(b"GGUF" + blob[4:])
+        decode_state(b"GGUF" + blob[4:])
     head = struct.pack(">4sHI", MAGIC, 99, struct.unpack(">I", blob[6:10])[0])
     forged = head + struct.pack(">I", xxhash.xxh32_intdigest(head)) + blob[14:]
     with pytest.raises(KVBadFormat, match="unknown KV format version 99"):
-        KVState.from_bytes(forged)
+        decode_state(forged)
 
 
 def test_lengths_from_the_wire_are_limited() -> None:
     head = struct.pack(">4sHI", MAGIC, 1, 1 << 30)
     with pytest.raises(KVBadFormat, match="over the"):
-        KVState.from_bytes(head + struct.pack(">I", xxhash.xxh32_intdigest(head)))
+        decode_state(head + struct.pack(">I", xxhash.xxh32_intdigest(head)))
     with pytest.raises(KVTooLarge):
-        KVState.from_bytes(make_state(tokens=400).to_bytes(chunk_size=4096), max_bytes=10_000)
+        decode_state(encode_state(make_state(tokens=400), chunk_size=4096), max_bytes=10_000)
 
 
 def test_data_after_trailer_is_refused() -> None:
-    blob = make_state().to_bytes()
+    blob = encode_state(make_state())
     with pytest.raises(KVBadFormat, match="after the blob trailer"):
-        KVState.from_bytes(blob + b"C")
+        decode_state(blob + b"C")
 
 
 def test_chunks_out_of_order_are_refused() -> None:

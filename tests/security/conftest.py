@@ -3,11 +3,13 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
 from prfaas.config import Config, TLSConfig
-from prfaas.security import certs, runtime
+from prfaas.security import certs
+from prfaas.security.runtime import Security
 
 
 @pytest.fixture(scope="session")
@@ -26,13 +28,18 @@ def tls_config(pki: Path, role: str, required: bool = True, ca: Path | None = No
                      required=required, crl=crl)
 
 
+class Role(NamedTuple):
+    """A role's config with TLS, and the ``Security`` built from it, which the test hands to what it starts."""
+
+    config: Config
+    security: Security
+
+
 @pytest.fixture
 def as_role(pki: Path) -> Iterator[object]:
-    """Configure this process's TLS as a role (``as_role("relay")``); reset to plaintext afterwards."""
-    def configure(role: str, required: bool = True, crl: str | None = None, **extra: object) -> Config:
+    """A role's TLS settings (``as_role("relay")``): its config and its ``Security``."""
+    def configure(role: str, required: bool = True, crl: str | None = None, **extra: object) -> Role:
         config = Config(tls=tls_config(pki, role, required, crl=crl), **extra)  # type: ignore[arg-type]
-        runtime.configure(config, role)
-        return config
+        return Role(config, Security.of(config, role))
 
     yield configure
-    runtime.configure(Config(), "none")

@@ -70,8 +70,9 @@ def test_non_loopback_router_needs_keys_or_tls() -> None:
 def test_world_readable_secrets_are_refused(tmp_path: Any) -> None:
     import os
 
+    from prfaas import tls
     from prfaas.config import TLSConfig
-    from prfaas.security import certs, tls
+    from prfaas.security import certs
     from prfaas.security.apikeys import check_config_file
 
     path = tmp_path / "prfaas.yaml"

@@ -11,7 +11,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from prfaas.security import guards, local, runtime, tls
+from prfaas import tls
+from prfaas.security import guards, local
 from prfaas.services import http
 from tests.security.conftest import tls_config
 
@@ -41,16 +42,16 @@ async def call(url: str, verify: Any, path: str = "/prefill") -> httpx.Response:
 
 
 def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
-    as_role("prefill")
+    security = as_role("prefill").security
     seen: list[str] = []
     refused: list[Any] = []
     app = app_with(seen)
-    guards.protect_instance(app, refused.append)
+    guards.protect_instance(app, refused.append, security=security)
 
     async def scenario() -> None:
         sock = http.bind("127.0.0.1", 0)
         url = f"https://127.0.0.1:{sock.getsockname()[1]}"
-        task = asyncio.create_task(http.serve(app, sock, ssl=runtime.server_ssl()))
+        task = asyncio.create_task(http.serve(app, sock, ssl=security.server_ssl()))
         try:
             for _ in range(100):
                 try:
@@ -79,13 +80,13 @@ def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
 def test_only_instances_register(pki: Path, as_role: Any) -> None:
     from prfaas.services.router import Router, create_app
 
-    config = as_role("router")
+    config, security = as_role("router")
 
     async def scenario() -> None:
-        app = create_app(Router(config))
+        app = create_app(Router(config, security=security))
         sock = http.bind("127.0.0.1", 0)
         url = f"https://127.0.0.1:{sock.getsockname()[1]}"
-        task = asyncio.create_task(http.serve(app, sock, ssl=runtime.server_ssl(client_certs=False)))
+        task = asyncio.create_task(http.serve(app, sock, ssl=security.server_ssl(client_certs=False)))
         try:
             for _ in range(100):
                 try:

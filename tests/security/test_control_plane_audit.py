@@ -16,10 +16,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from prfaas import tls
 from prfaas.audit import verify
 from prfaas.audit.chain import read_entries
 from prfaas.errors import KVUnauthorized
-from prfaas.security import certs, guards, local, runtime, tls
+from prfaas.security import certs, guards, local
 from prfaas.services import http
 from tests.security.conftest import tls_config
 
@@ -81,12 +82,13 @@ def test_router_refusals_are_audited(pki: Path, as_role: Any, tmp_path: Path) ->
     from prfaas.services.router import Router, create_app
 
     audit = tmp_path / "audit-{instance}.log"
-    config = as_role("router", audit_log=str(audit), api_keys=({"name": "team-a", "key": KEY},))
+    config, security = as_role("router", audit_log=str(audit), api_keys=({"name": "team-a", "key": KEY},))
     ca = local.ca_client_context(str(pki / "ca.pem"))
 
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with serving(create_app(Router(config)), runtime.server_ssl(client_certs=False)) as url:
+        app = create_app(Router(config, security=security))
+        async with serving(app, security.server_ssl(client_certs=False)) as url:
             out["no key"] = await post(url, ca, "/v1/completions")
             out["bad key"] = await post(url, ca, "/v1/completions", {"Authorization": "Bearer sk-wrong-0123456789"})
             out["good key"] = await post(url, ca, "/v1/completions", {"Authorization": f"Bearer {KEY}"})
@@ -117,7 +119,7 @@ def test_decode_refusals_are_audited(pki: Path, as_role: Any, tmp_path: Path) ->
 context checks the revocation list too: a revoked router certificate is refused, the others still work."""
     certs.issue(pki, "router", "router-stolen")
     audit = tmp_path / "audit-{instance}.log"
-    config = as_role("decode", crl=str(certs.revoke(pki, "router-stolen")), audit_log=str(audit))
+    config, security = as_role("decode", crl=str(certs.revoke(pki, "router-stolen")), audit_log=str(audit))
     seen: list[str] = []
     app = FastAPI()
 
@@ -126,11 +128,11 @@ context checks the revocation list too: a revoked router certificate is refused,
         seen.append("generate")
         return {"ok": True}
 
-    guards.protect_instance(app, None, config, "decode-7")
+    guards.protect_instance(app, None, config, "decode-7", security)
 
     async def scenario() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async with serving(app, runtime.server_ssl()) as url:
+        async with serving(app, security.server_ssl()) as url:
             out["router"] = await post(url, client(pki, "router"), "/generate")
             out["prefill"] = await post(url, client(pki, "prefill"), "/generate")
             async with httpx.AsyncClient(timeout=5.0) as c:
@@ -152,17 +154,17 @@ context checks the revocation list too: a revoked router certificate is refused,
 def test_a_request_sent_with_the_handshakes_last_flight_is_served(pki: Path, as_role: Any) -> None:
     """The client's Finished and its first request arrive in one segment: the request reaches the protocol before
     the handshake call returns, and must still be served (it once crashed uvicorn's request cycle)."""
-    as_role("decode")
+    security = as_role("decode").security
     app = FastAPI()
 
     @app.post("/generate")
     async def generate() -> dict[str, Any]:
         return {"ok": True}
 
-    guards.protect_instance(app)
+    guards.protect_instance(app, security=security)
 
     async def scenario() -> bytes:
-        async with serving(app, runtime.server_ssl()) as url:
+        async with serving(app, security.server_ssl()) as url:
             port = int(url.rsplit(":", 1)[1])
             incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
             tls_client = client(pki, "router").wrap_bio(incoming, outgoing, server_hostname="127.0.0.1")

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
+from prfaas import tls
 from prfaas.config import Config, TLSConfig
-from prfaas.security import certs, runtime, tls
+from prfaas.security import certs
+from prfaas.security.runtime import Security
 
 
 @pytest.fixture
@@ -100,21 +102,17 @@ def test_the_watcher_applies_a_revocation_without_being_asked(pki: Path) -> None
 
 
 def test_a_configured_process_watches_its_list(pki: Path) -> None:
-    """``runtime.configure`` (what ``prfaas serve`` calls) starts the watcher: the server context a role hands
+    """``Security.of`` (what every role calls at start) starts the watcher: the server context a role hands
     its listeners refuses a certificate revoked after start-up, within a few checks."""
     tls_config = TLSConfig(ca=str(pki / "ca.pem"), cert=str(pki / "relay.pem"), key=str(pki / "relay.key"),
                            required=True, crl=str(pki / "crl.pem"))
-    runtime.configure(Config(tls=tls_config), "relay")
-    try:
-        server = runtime.server_ssl()
-        assert server is not None
-        certs.revoke(pki, "prefill-2")
-        deadline = time.monotonic() + 3 * tls.CRL_CHECK_S
-        while handshake(server, context(pki, "prefill-2", server=False, crl=False)) == "ok":
-            assert time.monotonic() < deadline, "the configured process never loaded the new list"
-            time.sleep(0.1)
-    finally:
-        runtime.configure(Config(), "none")
+    server = Security.of(Config(tls=tls_config), "relay").server_ssl()
+    assert server is not None
+    certs.revoke(pki, "prefill-2")
+    deadline = time.monotonic() + 3 * tls.CRL_CHECK_S
+    while handshake(server, context(pki, "prefill-2", server=False, crl=False)) == "ok":
+        assert time.monotonic() < deadline, "the configured process never loaded the new list"
+        time.sleep(0.1)
 
 
 def test_an_unreadable_list_leaves_the_loaded_one_in_force(pki: Path, caplog: pytest.LogCaptureFixture) -> None:

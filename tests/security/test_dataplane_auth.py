@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from prfaas import tls
 from prfaas.audit.chain import read_entries
 from prfaas.errors import KVUnauthorized, PrfaasError
 from prfaas.kv import BlobReader
-from prfaas.security import tls
 from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import pull, push, release
 from tests.security.conftest import tls_config
@@ -36,14 +36,14 @@ def refusals(path: Path) -> list[dict[str, Any]]:
 
 def test_roles_on_the_data_plane(pki: Path, as_role: Any, tmp_path: Path) -> None:
     audit = tmp_path / "audit.log"
-    config = as_role("relay", audit_log=str(audit))
+    config, security = as_role("relay", audit_log=str(audit))
     state = make_state(layers=2, tokens=32)
     kv_id, frames = blob_frames(state)
     other_id, other_frames = blob_frames(make_state(layers=2, tokens=32, seed=1))
 
     async def scenario() -> None:
         kv = StoreRuntime(config, "relay-t")
-        server = kv.server("127.0.0.1", 0)
+        server = kv.server("127.0.0.1", 0, security)
         address = f"127.0.0.1:{await server.start()}"
         try:
             await push(address, kv_id, frames, ssl=client(pki, "prefill"), timeout_s=5.0)

@@ -19,11 +19,12 @@ from fastapi import FastAPI, Request
 from prfaas.config import Config, load_config
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTooLarge
 from prfaas.kv import BlobReader
-from prfaas.security import limits
+from prfaas.limits import DEFAULT, WireLimits
 from prfaas.security.bodylimit import BodyLimit
-from prfaas.security.limits import WireLimits
 from prfaas.services import http
 from prfaas.services.kvstore import StoreRuntime
+from prfaas.store import BlobStore
+from prfaas.transfer import TransferServer
 from prfaas.transfer import protocol as p
 from tests.transfer.helpers import blob_frames, make_state, run
 
@@ -50,7 +51,7 @@ def test_limits_load_and_apply(tmp_path: Path) -> None:
     path.write_text("limits: {max_message_bytes: 2048, max_layers: 3}")
     config = load_config(path)
     assert config.limits == WireLimits(max_message_bytes=2048, max_layers=3)
-    assert Config().limits == WireLimits() and limits.current() == WireLimits()
+    assert Config().limits == WireLimits() == DEFAULT
 
 
 async def _raw_exchange(address: tuple[str, int], data: bytes) -> p.Message:
@@ -72,14 +73,12 @@ def test_data_plane_refuses_an_oversized_message_before_reading_it() -> None:
     head = struct.pack(">cII", b"M", CLAIM, xxhash.xxh32_intdigest(b""))
 
     async def scenario() -> tuple[p.Message, p.Message]:
-        kv = StoreRuntime(Config(), "relay-l")
+        kv = StoreRuntime(Config(limits=WireLimits(max_message_bytes=1024)), "relay-l")
         server = kv.server("127.0.0.1", 0)
         port = await server.start()
         try:
-            with limits.using(WireLimits(max_message_bytes=1024)):
-                small = await _raw_exchange(("127.0.0.1", port), head)
-            stat = p.encode(p.Stat())
-            default = await _raw_exchange(("127.0.0.1", port), stat)  # default limits: a normal exchange
+            small = await _raw_exchange(("127.0.0.1", port), head)
+            default = await _raw_exchange(("127.0.0.1", port), p.encode(p.Stat()))  # a message within the limit
         finally:
             await server.close()
             kv.close()
@@ -94,16 +93,15 @@ def test_data_plane_refuses_a_blob_over_the_chunk_limit() -> None:
     kv_id, frames = blob_frames(make_state(layers=1, tokens=16), chunk_size=64 << 10)
 
     async def scenario() -> p.Message:
-        kv = StoreRuntime(Config(), "relay-c")
-        server = kv.server("127.0.0.1", 0)
+        store = BlobStore(64 << 20, 60, limits=WireLimits(max_chunk_bytes=16 << 10))  # under any config's chunk
+        server = TransferServer(store)
         port = await server.start()
         try:
-            with limits.using(WireLimits(max_chunk_bytes=16 << 10)):
-                return await _raw_exchange(("127.0.0.1", port), p.encode(p.Put(kv_id, 1000)) + frames[0])
+            return await _raw_exchange(("127.0.0.1", port), p.encode(p.Put(kv_id, 1000)) + frames[0])
         finally:
-            assert kv.store.stats().blobs == 0
+            assert store.stats().blobs == 0
             await server.close()
-            kv.close()
+            store.close()
 
     reply = run(scenario)
     assert isinstance(reply, p.Error) and reply.code == KVBadFormat.code
@@ -112,22 +110,21 @@ def test_data_plane_refuses_a_blob_over_the_chunk_limit() -> None:
 def test_blob_parser_limits() -> None:
     _, frames = blob_frames(make_state(layers=4, tokens=64), chunk_size=16 << 10)
     blob = b"".join(frames)
-    with limits.using(WireLimits(max_layers=2)), pytest.raises(KVBadFormat):
-        BlobReader().feed(blob)
-    with limits.using(WireLimits(max_blob_bytes=64 << 20, max_chunk_bytes=16 << 10)):
-        BlobReader().feed(blob)  # within every limit
+    with pytest.raises(KVBadFormat):
+        BlobReader(limits=WireLimits(max_layers=2)).feed(blob)
+    BlobReader(limits=WireLimits(max_blob_bytes=64 << 20, max_chunk_bytes=16 << 10)).feed(blob)  # within every limit
     tracemalloc.start()
-    with limits.using(WireLimits(max_blob_bytes=32 << 10, max_chunk_bytes=16 << 10)), pytest.raises(KVTooLarge):
-        BlobReader().feed(blob)
+    with pytest.raises(KVTooLarge):
+        BlobReader(limits=WireLimits(max_blob_bytes=32 << 10, max_chunk_bytes=16 << 10)).feed(blob)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert peak < 4 * len(blob)  # the input and its staging copy; no layer buffer of the claimed size
     head = frames[0][:6] + struct.pack(">I", 8192)  # a header frame claiming 8 KiB of metadata, checksum intact
-    with limits.using(WireLimits(max_meta_bytes=4096)), pytest.raises(KVBadFormat, match="4096"):
-        BlobReader().feed(head + struct.pack(">I", xxhash.xxh32_intdigest(head)))
+    with pytest.raises(KVBadFormat, match="4096"):
+        BlobReader(limits=WireLimits(max_meta_bytes=4096)).feed(head + struct.pack(">I", xxhash.xxh32_intdigest(head)))
 
 
-def body_app(seen: list[int]) -> FastAPI:
+def body_app(seen: list[int], max_bytes: int) -> FastAPI:
     app = FastAPI()
     http.install_error_handlers(app)
 
@@ -136,7 +133,7 @@ def body_app(seen: list[int]) -> FastAPI:
         seen.append(len(await request.body()))
         return {"ok": True}
 
-    app.add_middleware(BodyLimit)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
     return app
 
 
@@ -150,9 +147,7 @@ def test_http_body_and_header_limits() -> None:
     async def scenario() -> list[tuple[int, str | None]]:
         sock = http.bind("127.0.0.1", 0)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/generate"
-        with limits.using(WireLimits(max_header_bytes=2048)):  # read when the server starts
-            task = asyncio.create_task(http.serve(body_app(seen), sock))
-            await asyncio.sleep(0)
+        task = asyncio.create_task(http.serve(body_app(seen, 4096), sock, limits=WireLimits(max_header_bytes=2048)))
         out = []
         try:
             async with httpx.AsyncClient(timeout=5.0) as c:
@@ -162,11 +157,10 @@ def test_http_body_and_header_limits() -> None:
                         break
                     except httpx.HTTPError:
                         await asyncio.sleep(0.05)
-                with limits.using(WireLimits(max_body_bytes=4096)):
-                    for content in (b"x" * 4096, b"x" * 4097, chunks(3), chunks(5)):
-                        reply = await c.post(url, content=content)
-                        out.append((reply.status_code, reply.json().get("error", {}).get("code")
-                                    if reply.status_code != 200 else None))
+                for content in (b"x" * 4096, b"x" * 4097, chunks(3), chunks(5)):
+                    reply = await c.post(url, content=content)
+                    out.append((reply.status_code, reply.json().get("error", {}).get("code")
+                                if reply.status_code != 200 else None))
             # 8 KiB of a request head that never ends: under h11's default (16 KiB) the server would wait for
             # the rest; over the configured 2 KiB it answers 400 at once
             reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])

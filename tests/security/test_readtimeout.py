@@ -14,17 +14,19 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
+from prfaas import tls
 from prfaas.config import load_config
 from prfaas.errors import InvalidRequest
-from prfaas.security import guards, limits, runtime, tls
-from prfaas.security.limits import WireLimits
+from prfaas.limits import WireLimits
+from prfaas.security import guards
+from prfaas.security.runtime import Security
 from prfaas.services import http, jsonbody
 from tests.security.conftest import tls_config
 
 TIMEOUTS = WireLimits(header_timeout_ms=500, body_timeout_ms=1000)
 
 
-def app_reading_bodies() -> FastAPI:
+def app_reading_bodies(security: Security) -> FastAPI:
     app = FastAPI()
     http.install_error_handlers(app)
 
@@ -32,7 +34,7 @@ def app_reading_bodies() -> FastAPI:
     async def generate(request: Request) -> dict[str, Any]:
         return {"got": await jsonbody.read(request)}
 
-    guards.protect_instance(app)
+    guards.protect_instance(app, security=security)
     return app
 
 
@@ -61,15 +63,14 @@ async def trickle(port: int, ctx: ssl.SSLContext | None, first: bytes, every_s: 
 
 
 def test_trickled_requests_are_closed_behind_tls(pki: Path, as_role: Any) -> None:
-    as_role("decode")
+    security = as_role("decode").security
     router = tls.client_context(tls_config(pki, "router"))
 
     async def scenario() -> list[tuple[float, bytes]]:
         sock = http.bind("127.0.0.1", 0)
         port = sock.getsockname()[1]
-        with limits.using(TIMEOUTS):  # read when the server starts
-            task = asyncio.create_task(http.serve(app_reading_bodies(), sock, ssl=runtime.server_ssl()))
-            await asyncio.sleep(0)
+        task = asyncio.create_task(http.serve(app_reading_bodies(security), sock, ssl=security.server_ssl(),
+                                              limits=TIMEOUTS))
         try:
             async with httpx.AsyncClient(verify=router, timeout=5.0) as c:
                 for _ in range(100):

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from prfaas import tls
 from prfaas.audit.chain import read_entries
 from prfaas.errors import KVUnauthorized
 from prfaas.kv import BlobReader
-from prfaas.security import certs, tls
+from prfaas.security import certs
 from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import pull, push
 from tests.security.conftest import tls_config
@@ -42,7 +43,7 @@ def test_every_handshake_refusal_has_its_code_and_audit_record(pki: Path, as_rol
     certs.issue(pki, "prefill", "prefill-stolen")
     crl = str(certs.revoke(pki, "prefill-stolen"))
     audit = tmp_path / "audit.log"
-    config = as_role("relay", crl=crl, audit_log=str(audit))
+    config, security = as_role("relay", crl=crl, audit_log=str(audit))
     caplog.set_level(logging.WARNING, "prfaas.security")
     state = make_state(layers=2, tokens=32)
     kv_id, frames = blob_frames(state)
@@ -51,7 +52,7 @@ def test_every_handshake_refusal_has_its_code_and_audit_record(pki: Path, as_rol
 
     async def scenario() -> dict[str, str]:
         kv = StoreRuntime(config, "relay-r")
-        server = kv.server("127.0.0.1", 0)
+        server = kv.server("127.0.0.1", 0, security)
         address = f"127.0.0.1:{await server.start()}"
         codes: dict[str, str] = {}
         try:

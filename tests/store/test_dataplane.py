@@ -14,8 +14,8 @@ from prfaas.audit.report import blob_story, entries
 from prfaas.config import Config
 from prfaas.kv import BlobReader
 from prfaas.services.kvstore import StoreRuntime
-from prfaas.store.abandon import release_abandoned
 from prfaas.transfer import pull, push
+from prfaas.transfer.abandon import release_abandoned
 from tests.transfer.helpers import assert_same, blob_frames, make_state, run
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from prfaas.kv import BlobReader, KVState
 from prfaas.store import BlobStore
-from prfaas.transfer import TransferServer, buffers, pull, push, release
+from prfaas.transfer import TransferContext, TransferServer, pull, push, release
 from prfaas.transfer.buffers import ArenaPool
 from tests.transfer.helpers import assert_same, blob_frames, make_state, run
 
@@ -41,8 +41,8 @@ def test_pool_is_bounded_and_grows_a_free_arena_that_is_too_small() -> None:
 def test_repeated_pulls_reuse_one_arena_and_earlier_states_stay_intact() -> None:
     states = [make_state(seed=s) for s in range(3)]
     blobs = [blob_frames(s) for s in states]
-    pool = buffers.process_pool(4)
-    pool.clear()
+    context = TransferContext()  # the pulls of one role share its arenas
+    pool = context.arenas
 
     async def scenario() -> None:
         server = TransferServer(BlobStore(64 * MiB, 60.0))
@@ -50,15 +50,15 @@ def test_repeated_pulls_reuse_one_arena_and_earlier_states_stay_intact() -> None
         try:
             for kv_id, frames in blobs:
                 await push(address, kv_id, frames, timeout_s=5.0)
-            kept = await pull(address, blobs[0][0], BlobReader(), timeout_s=5.0)
+            kept = await pull(address, blobs[0][0], BlobReader(), timeout_s=5.0, context=context)
             arena = _arena_of(kept)
             for _ in range(2):  # ``kept`` is held: these use another arena, and then reuse it
-                got = await pull(address, blobs[1][0], BlobReader(), timeout_s=5.0)
+                got = await pull(address, blobs[1][0], BlobReader(), timeout_s=5.0, context=context)
                 assert _arena_of(got) is not arena
                 assert_same(states[1], got)
                 del got
             assert pool.reused >= 1 and pool.arenas == 2
-            got = await pull(address, blobs[2][0], BlobReader(), timeout_s=5.0, streams=3)
+            got = await pull(address, blobs[2][0], BlobReader(), timeout_s=5.0, streams=3, context=context)
             assert_same(states[2], got)
             assert_same(states[0], kept)  # untouched by the pulls that ran meanwhile
             del got, kept, arena
@@ -69,7 +69,6 @@ def test_repeated_pulls_reuse_one_arena_and_earlier_states_stay_intact() -> None
             await server.close()
 
     run(scenario)
-    pool.clear()
 
 
 def _arena_of(state: KVState) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Many concurrent requests' pulls through a fault-injecting proxy (delays, stalls, resets, truncation, byte flips)
 on striped connections: each one returns exactly the blob that was written or fails with a transport error code
-within its deadline; retries stay within the per-request budget and the process-wide cap; nothing is left in the
+within its deadline; retries stay within the per-request budget and the role's cap; nothing is left in the
 store, no task and no socket."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from prfaas.errors import PrfaasError
 from prfaas.kv import BlobReader, KVState
 from prfaas.store import BlobStore
-from prfaas.transfer import TransferServer, blob_deadline_s, pull, stats
+from prfaas.transfer import TransferContext, TransferServer, blob_deadline_s, pull, stats
 from tests.transfer.helpers import Fault, FaultProxy, assert_clean, assert_same, blob_frames, fill, make_state, run
 
 REQUESTS, RETRIES, TIMEOUT_S, STREAMS = 12, 2, 0.4, 2
@@ -31,6 +31,7 @@ def test_every_request_is_exact_or_fails_with_the_right_code_and_nothing_leaks()
     rng = random.Random(4)
     plans = [fault_for(rng) for _ in range(200)]
     retries: list[int] = [0] * REQUESTS
+    context = TransferContext()  # one role's pulls: one retry cap
 
     async def one(i: int, address: str) -> tuple[KVState | PrfaasError, float, float]:
         kv_id, frames = blobs[i]
@@ -44,7 +45,7 @@ def test_every_request_is_exact_or_fails_with_the_right_code_and_nothing_leaks()
         try:
             result: KVState | PrfaasError = await pull(address, kv_id, BlobReader(), timeout_s=TIMEOUT_S,
                                                        retries=RETRIES, streams=STREAMS, deadline_s=deadline,
-                                                       backoff_s=0.01, on_retry=count)
+                                                       backoff_s=0.01, on_retry=count, context=context)
         except PrfaasError as exc:
             result = exc
         return result, time.monotonic() - start, deadline
@@ -66,7 +67,7 @@ def test_every_request_is_exact_or_fails_with_the_right_code_and_nothing_leaks()
             else:
                 assert_same(state, result)
         assert all(n <= RETRIES for n in retries)
-        health = stats.link_health("pull")
+        health = context.stats.pull.health()
         assert health.transfers == REQUESTS and health.retries <= max(stats.MIN_RETRIES, REQUESTS // 100)
         assert sum(retries) == health.retries
         assert any(not isinstance(r, PrfaasError) for r, _, _ in outcomes)
@@ -87,7 +88,9 @@ def test_max_inflight_bounds_concurrent_pulls() -> None:
         fill(store, kv_id, frames)
         server = TransferServer(store)
         address = f"127.0.0.1:{await server.start()}"
-        limit = stats.InflightLimit(2)
+        context = TransferContext(inflight=stats.InflightLimit(2))
+        limit = context.inflight
+        assert limit is not None
         peak = 0
 
         async def watch() -> None:
@@ -97,7 +100,7 @@ def test_max_inflight_bounds_concurrent_pulls() -> None:
                 await asyncio.sleep(0)
 
         watcher = asyncio.create_task(watch())
-        got = await asyncio.gather(*(pull(address, kv_id, BlobReader(), timeout_s=2.0, limit=limit)
+        got = await asyncio.gather(*(pull(address, kv_id, BlobReader(), timeout_s=2.0, context=context)
                                      for _ in range(6)))
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

@@ -13,7 +13,7 @@ list again into all of them once the file changed (inode, size or modification t
 and checks each peer against the newest valid one (latest ``lastUpdate``; ``certs.revoke`` makes each list's later
 than the last), so the next handshake — TLS or HTTPS, client or server — sees the new list; connections already
 open stay up. ``watch_crls`` runs ``reload_crls`` every ``CRL_CHECK_S`` seconds on a daemon thread
-(``runtime.configure`` starts it when ``tls.crl`` is set). A list that cannot be read or parsed (half copied, say)
+(``runtime.Security.of`` starts it when ``tls.crl`` is set). A list that cannot be read or parsed (half copied, say)
 is logged and tried again at the next check; the one loaded stays in force meanwhile.
 """
 
@@ -27,8 +27,8 @@ import ssl
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 
-from prfaas.config import TLSConfig
 from prfaas.errors import InvalidRequest
 
 log = logging.getLogger("prfaas.security")
@@ -37,6 +37,18 @@ _CRL_CONTEXTS: weakref.WeakKeyDictionary[ssl.SSLContext, str] = weakref.WeakKeyD
 _CRL_LOADED: dict[str, tuple[int, int, int] | None] = {}  # list → (inode, mtime_ns, size) the contexts hold
 _CRL_LOCK = threading.Lock()
 _WATCHER: list[threading.Thread] = []
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """The config key ``tls`` (``prfaas.config.Config.tls``); defined here so that building a context needs
+    nothing above this module."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    required: bool = False
+    crl: str | None = None  # `prfaas certs revoke` writes it; peers' certificates are checked against it
 
 
 def enabled(tls: TLSConfig) -> bool:

@@ -4,6 +4,9 @@ or abort, and ``StoreStats`` / ``LiveBlob`` for health and leak checks.
 All are frozen dataclasses of plain fields, so they travel unchanged as data-plane messages
 (``prfaas.transfer.protocol``) and serialise to JSON for the audit log (``prfaas.audit``). None of them ever
 holds prompt text: a blob is known by its ``kv_id``, its sizes and its checksum.
+
+Ground floor: the store writes these records and the data plane, the audit log, metering and the refusal log read
+them, so this module imports nothing of prfaas but its errors.
 """
 
 from __future__ import annotations

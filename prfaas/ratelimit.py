@@ -1,4 +1,6 @@
-"""Token-bucket rate limit (``rate_limit_qps``): the router answers 429 with ``Retry-After`` when it is empty."""
+"""Token-bucket rate limit: the router's ``rate_limit_qps``, a tenant's and an API key's own (``prfaas.scheduler``,
+``prfaas.tenancy``, ``prfaas.security.apikeys``); the router answers 429 with ``Retry-After`` when one is empty.
+Ground floor: it imports nothing of prfaas, so every layer can use it."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import ssl as ssl_module
 from typing import Any
 
 from prfaas.errors import KVExpired, KVNotFound, PrfaasError
+from prfaas.transfer.client import release
 
 log = logging.getLogger(__name__)
 
@@ -26,8 +27,6 @@ async def release_abandoned(address: str, kv_id: str, *, ssl: ssl_module.SSLCont
                             timeout_s: float = 2.0) -> dict[str, Any] | None:
     """Release ``kv_id`` at the store ``address`` (host:port of its data plane); the deletion record (a dict)
     if this call ended it, else ``None``."""
-    from prfaas.transfer import release  # the transfer package imports the store's records: import late
-
     if not address or not kv_id:
         return None
     try:

@@ -19,16 +19,14 @@ Every parser checks a length read from the wire against these before it allocate
 
 The defaults are the constants prfaas used before they became configurable (``max_header_bytes`` is h11's own
 default; ``max_body_bytes`` is new: an HTTP body had no limit; the two HTTP timeouts are new: a peer that trickled a
-head or a body byte by byte held its connection open for ever). A process reads its limits once at start
-(``configure``, called by ``runtime.configure``; the HTTP server reads ``max_header_bytes`` and the timeouts when it
-starts, ``prfaas.security.readtimeout``); parsers read them with ``current()``. One process runs one role, so one
-setting per process is enough. A bad value is refused when the config is built (``InvalidRequest`` naming the key).
+head or a body byte by byte held its connection open for ever). There is no process-wide setting: a role passes
+its ``config.limits`` to what parses for it (``BlobReader(limits=…)``, ``BlobStore(limits=…)``, which its
+``TransferServer`` applies too, ``prfaas.security.guards.limit_requests`` for its HTTP app); a parser given none
+applies ``DEFAULT``. A bad value is refused when the config is built (``InvalidRequest`` naming the key).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from prfaas.errors import InvalidRequest
@@ -74,26 +72,4 @@ class WireLimits:
                 raise InvalidRequest(f"config: {message}")
 
 
-_CURRENT = WireLimits()
-
-
-def current() -> WireLimits:
-    """The limits this process's parsers apply."""
-    return _CURRENT
-
-
-def configure(limits: WireLimits) -> None:
-    """Apply ``limits`` to every parser of this process (at start-up)."""
-    global _CURRENT
-    _CURRENT = limits
-
-
-@contextlib.contextmanager
-def using(limits: WireLimits) -> Iterator[WireLimits]:
-    """``limits`` for the duration of the block, then the previous ones (tests, tools)."""
-    before = current()
-    configure(limits)
-    try:
-        yield limits
-    finally:
-        configure(before)
+DEFAULT = WireLimits()  # frozen: what a parser applies when its caller passes no limits
