@@ -43,17 +43,38 @@ def demo(
     run_full_demo(model=model, port=port, threshold=offload_threshold, max_tokens=max_tokens)
 
 
+@app.command()
+def measure(
+    model: str = typer.Option("smollm2-135m", help="built-in name, HF directory or .gguf file"),
+    seq_len: list[str] = typer.Option(None, "--seq-len", help="prompt lengths (repeat or 128,512)"),
+    codec: list[str] = typer.Option(None, "--codec", help="codecs to size (repeat); default none"),
+    dtype: str = typer.Option("float32", help="engine dtype"),
+    repeats: int = typer.Option(1, help="prefills per length; the fastest counts"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
+) -> None:
+    """Run the real engine: measured KV bytes per codec, prefill seconds per length, Φ_kv in Gbps."""
+    import json
+
+    from prfaas.engine.measure import render_measure, run_measure
+    from prfaas.terminal import console
+    from prfaas.units import parse_lengths
+
+    out = run_measure(model=model, lengths=parse_lengths(seq_len or ["128", "512"]),
+                      codecs=codec or ["none"], dtype=dtype, repeats=repeats)
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        render_measure(out, console())
+
 # Sub-apps of other packages are added here, e.g. app.add_typer(plan_app, name="plan").
 from prfaas.audit.cli import app as audit_app  # noqa: E402
 from prfaas.lab.cli import app as lab_app  # noqa: E402
 from prfaas.plan.cli import app as plan_app  # noqa: E402
-from prfaas.plan.cli import measure as measure_cmd  # noqa: E402
 from prfaas.probe.cli import app as probe_app  # noqa: E402
-from prfaas.services.cli import serve_app, up  # noqa: E402
+from prfaas.serve import serve_app, up  # noqa: E402
 
 app.add_typer(plan_app, name="plan")
 app.add_typer(probe_app, name="probe")
-app.command("measure")(measure_cmd)
 app.add_typer(serve_app, name="serve")
 app.command("up")(up)
 from prfaas.bench.cli import app as bench_app  # noqa: E402

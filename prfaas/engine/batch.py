@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from prfaas.engine import slots
-from prfaas.engine.engine import pick_token
+from prfaas.engine.protocol import Engine
+from prfaas.engine.sampling import pick_token
 from prfaas.messages import SamplingParams
 
 
@@ -36,7 +37,7 @@ class Row:
 class DecodeBatch:
     """Not thread-safe: one engine thread owns it."""
 
-    def __init__(self, engine: Any, max_batch: int) -> None:
+    def __init__(self, engine: Engine, max_batch: int) -> None:
         self.engine = engine
         self.max_batch = max_batch
         self.rows: list[Row] = []

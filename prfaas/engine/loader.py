@@ -1,4 +1,5 @@
-"""``load_engine``: a built-in name, a Hugging Face directory or a ``.gguf`` file → ``Engine``."""
+"""``load_engine``: a built-in name, a Hugging Face directory or a ``.gguf`` file → ``TransformersEngine``; a
+``synthetic-*`` name → ``SyntheticEngine`` (both ``EngineBase``, the ``Engine`` protocol)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ import torch
 import xxhash
 
 from prfaas.engine import attention, models
+from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import to_numpy
-from prfaas.engine.engine import Engine
+from prfaas.engine.engine import TransformersEngine
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None) -> Engine:
+def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None) -> EngineBase:
     """Load a model for prefill and decode on the CPU (or the default torch device)."""
     if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
         from prfaas.engine.synthetic import load_synthetic
@@ -34,7 +36,7 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     attention.install()
     model, tokenizer, name, root = _load(spec, DTYPES[dtype])
     model.eval()
-    return Engine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype), root=str(root))
+    return TransformersEngine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype), root=str(root))
 
 
 def native_dtype() -> str:

@@ -9,23 +9,40 @@ batched kernels (CONTRACTS' near-tie rule applies, as for batched decode). Each 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 
 from prfaas.engine.cache import snapshot_rows
-from prfaas.engine.engine import pick_token
+from prfaas.engine.hooks import after_each_layer
+from prfaas.engine.protocol import ChunkResult, LayerCallback, RowCallback
+from prfaas.engine.sampling import pick_token
 from prfaas.kv import LayerState
 from prfaas.messages import SamplingParams
 
-RowCallback = Callable[[int, LayerState], None]
+
+class BatchModel(Protocol):
+    """What a batched prefill needs of ``TransformersEngine`` (named here, so this file does not import it)."""
+
+    model: Any
+    config: Any
+    device: torch.device
+    is_mla: bool
+    logits_to_keep: bool
+
+    def check_prompt(self, token_ids: Sequence[int]) -> list[int]: ...
+
+    def new_cache(self) -> Any: ...
+
+    def prefill_cache(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                      sampling: SamplingParams | None = None, step: int = 0) -> ChunkResult: ...
 
 
-def prefill_batch(engine: Any, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,
+def prefill_batch(engine: BatchModel, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,
                   samplings: Sequence[SamplingParams | None] | None = None) -> tuple[list[int], float]:
     """Each prompt's first token and the seconds the forward pass took."""
-    ids = [engine._check_prompt(p) for p in prompts]
+    ids = [engine.check_prompt(p) for p in prompts]
     samplings = list(samplings) if samplings is not None else [None] * len(ids)
     if len(ids) == 1:  # no padding: exactly the single-sequence prefill
         def one(state: LayerState) -> None:
@@ -49,7 +66,7 @@ def prefill_batch(engine: Any, prompts: Sequence[Sequence[int]], on_layer: RowCa
     try:
         kwargs: dict[str, Any] = {"input_ids": tokens, "position_ids": positions, "attention_mask": mask,
                                   "cache": cache, "use_cache": True}
-        if engine._logits_to_keep:
+        if engine.logits_to_keep:
             kwargs["logits_to_keep"] = 1
         with torch.inference_mode():
             logits = engine.model(**kwargs).logits[:, -1].float()
@@ -60,14 +77,9 @@ def prefill_batch(engine: Any, prompts: Sequence[Sequence[int]], on_layer: RowCa
     return [pick_token(logits[row], samplings[row], step=0) for row in range(len(ids))], seconds
 
 
-def _row_hooks(engine: Any, cache: Any, lengths: list[int], on_layer: RowCallback) -> list[Any]:
-    from prfaas.engine.engine import _decoder_layers
+def _row_hooks(engine: BatchModel, cache: Any, lengths: list[int], on_layer: RowCallback) -> list[Any]:
+    def ran(index: int) -> None:
+        for row, state in enumerate(snapshot_rows(cache, index, lengths, engine.config.model_type, engine.is_mla)):
+            on_layer(row, state)
 
-    def hook_for(index: int) -> Callable[..., None]:
-        def hook(module: Any, args: Any, output: Any) -> None:
-            for row, state in enumerate(snapshot_rows(cache, index, lengths, engine.config.model_type,
-                                                      engine._is_mla)):
-                on_layer(row, state)
-        return hook
-
-    return [layer.register_forward_hook(hook_for(i)) for i, layer in enumerate(_decoder_layers(engine.model))]
+    return after_each_layer(engine.model, ran)

@@ -51,7 +51,8 @@ import numpy as np
 import torch
 import xxhash
 
-from prfaas.engine.engine import Engine, PrefillOutput
+from prfaas.engine.base import EngineBase
+from prfaas.engine.protocol import ChunkResult, LayerCallback, RowCallback
 from prfaas.errors import InvalidRequest, KVBadFormat
 from prfaas.kv import Fingerprint, KVState, LayerState
 from prfaas.messages import SamplingParams
@@ -203,33 +204,32 @@ class _Pattern:
             return self._flat[:n].reshape(shape)
 
 
-class SyntheticEngine(Engine):
-    """An ``Engine`` with the KV sizes and timings of ``spec`` (see the module docstring)."""
+class SyntheticEngine(EngineBase):
+    """An engine (the ``Engine`` protocol) with the KV sizes and timings of ``spec`` (see the module docstring)."""
 
     keeps_kv = False  # decode streams pulled KV through verification and keeps none of it
 
-    def __init__(self, spec: SyntheticSpec) -> None:  # no model to probe: Engine.__init__ is not called
+    def __init__(self, spec: SyntheticSpec) -> None:
         self.spec = spec
         self.plan = plan_from_config(spec.config, dtype=KV_DTYPE, name=spec.name)
-        self.name = spec.name
-        self.tokenizer = SyntheticTokenizer()
         self.config = _Config(spec.config["model_type"], len(self.plan.layers), int(spec.config["vocab_size"]),
                               spec.max_seq_len, spec.config)
-        self.device = torch.device("cpu")
-        self.max_seq_len = spec.max_seq_len
-        self.eos_token_ids = () if spec.eos_token_id is None else (spec.eos_token_id,)
-        self._is_mla = False
-        self._logits_to_keep = False
-        self._cache_cls = SyntheticCache
-        self._pattern = _Pattern()
         digest = xxhash.xxh64_hexdigest(repr((spec.name, spec.source, spec.config)).encode())
-        self.fingerprint = Fingerprint(model=spec.name, arch=self.config.model_type, weights=digest,
-                                       tokenizer=xxhash.xxh64_hexdigest(b"synthetic-bytes-v1"), dtype=KV_DTYPE,
-                                       max_seq_len=spec.max_seq_len)
+        fingerprint = Fingerprint(model=spec.name, arch=self.config.model_type, weights=digest,
+                                  tokenizer=xxhash.xxh64_hexdigest(b"synthetic-bytes-v1"), dtype=KV_DTYPE,
+                                  max_seq_len=spec.max_seq_len)
+        eos = () if spec.eos_token_id is None else (spec.eos_token_id,)
+        super().__init__(spec.name, SyntheticTokenizer(), fingerprint, eos, self.config.vocab_size,
+                         torch.device("cpu"))
+        self._pattern = _Pattern()
 
     @property
     def num_layers(self) -> int:
         return len(self.plan.layers)
+
+    @property
+    def cache_class(self) -> str:
+        return SyntheticCache.__name__
 
     # -- KV ------------------------------------------------------------------------------------------------------
     def layer_state(self, index: int, seq_len: int) -> LayerState:
@@ -273,16 +273,10 @@ class SyntheticEngine(Engine):
         digest = xxhash.xxh64_intdigest(np.asarray(token_ids, dtype=np.int64).tobytes())
         return TOKEN_LOW + digest % TOKEN_SPAN
 
-    def prefill(self, token_ids: Sequence[int], on_layer: Any = None,
-                sampling: SamplingParams | None = None) -> PrefillOutput:
-        cache, token, seconds = self.prefill_cache(token_ids, on_layer, sampling)
-        return PrefillOutput(kv=self.snapshot(cache, cache.seq_len, first_token=token), next_token=token,
-                             seconds=seconds)
-
-    def prefill_cache(self, token_ids: Sequence[int], on_layer: Any = None, sampling: SamplingParams | None = None,
-                      step: int = 0) -> tuple[SyntheticCache, int, float]:
+    def prefill_cache(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
+                      sampling: SamplingParams | None = None, step: int = 0) -> ChunkResult:
         """Sleep the modelled prefill time layer by layer, handing each layer to ``on_layer`` when it is due."""
-        ids = self._check_prompt(token_ids)
+        ids = self.check_prompt(token_ids)
         started = time.perf_counter()
         total = self.spec.prefill_seconds(len(ids))
         for index in range(self.num_layers):
@@ -292,8 +286,8 @@ class SyntheticEngine(Engine):
         return SyntheticCache(len(ids)), self.first_token(ids), time.perf_counter() - started
 
     def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0, on_layer: Any = None) -> Iterator[tuple[Any, int, float] | None]:
-        ids = self._check_prompt(token_ids)
+                       step: int = 0, on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
+        ids = self.check_prompt(token_ids)
         size = chunk or len(ids)
         seconds = 0.0
         for start in range(0, len(ids), size):
@@ -307,12 +301,13 @@ class SyntheticEngine(Engine):
                 on_layer(self.layer_state(index, len(ids)))
         yield SyntheticCache(len(ids)), self.first_token(ids), seconds
 
-    def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: Any = None,
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,
                       samplings: Sequence[SamplingParams | None] | None = None) -> tuple[list[int], float]:
         """The modelled time of the prompts one after the other (the model has no batched kernel to model)."""
         tokens, seconds = [], 0.0
         for row, prompt in enumerate(prompts):
             def one(state: LayerState, row: int = row) -> None:
+                assert on_layer is not None
                 on_layer(row, state)
             _, token, took = self.prefill_cache(prompt, one if on_layer else None)
             tokens.append(token)

@@ -42,14 +42,14 @@ def read_frame(stream: IO[bytes]) -> Any | None:
 
 def serve(model: str, dtype: str, inp: IO[bytes], out: IO[bytes]) -> None:
     from prfaas.engine import load_engine
-    from prfaas.kv import KVState
+    from prfaas.kv import decode_state
 
     engine = load_engine(model, dtype=dtype)
     write_frame(out, {"ready": engine.fingerprint.to_wire()})
     while (request := read_frame(inp)) is not None:
         try:
             started = time.perf_counter()
-            kv = KVState.from_bytes(request["blob"])
+            kv = decode_state(request["blob"])
             parsed = time.perf_counter()
             tokens = engine.decode(kv, int(request["next_token"]), int(request["max_new_tokens"]))
             done = time.perf_counter()

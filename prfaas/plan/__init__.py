@@ -1,6 +1,7 @@
 """Feasibility planning: KV bytes from a model's ``config.json``, link verdicts and PrfaaS capacity.
 
-Light on purpose: nothing here imports torch or transformers (``prfaas measure`` does, inside its function).
+Light on purpose: nothing here imports torch or transformers (``prfaas measure``, which runs the engine, is
+``prfaas.engine.measure``, above this package).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``prfaas plan kv|link|capacity`` and ``prfaas measure``; ``--json`` prints one JSON object last."""
+"""``prfaas plan kv|link|capacity``; ``--json`` prints one JSON object last. (``prfaas measure``, which runs the
+engine, is ``prfaas.engine.cli``.)"""
 
 from __future__ import annotations
 
@@ -131,18 +132,3 @@ def capacity_cmd(
                        decode_batch=decode_batch, tpot_ms=tpot_ms)
     _emit(out, as_json, capacity_table)
 
-
-def measure(
-    model: str = typer.Option("smollm2-135m", help="built-in name, HF directory or .gguf file"),
-    seq_len: list[str] = typer.Option(None, "--seq-len", help="prompt lengths (repeat or 128,512)"),
-    codec: list[str] = typer.Option(None, "--codec", help="codecs to size (repeat); default none"),
-    dtype: str = typer.Option("float32", help="engine dtype"),
-    repeats: int = typer.Option(1, help="prefills per length; the fastest counts"),
-    as_json: bool = JSON,
-) -> None:
-    """Run the real engine: measured KV bytes per codec, prefill seconds per length, Φ_kv in Gbps."""
-    from prfaas.plan.measure import render_measure, run_measure
-
-    out = run_measure(model=model, lengths=parse_lengths(seq_len or ["128", "512"]),
-                      codecs=codec or ["none"], dtype=dtype, repeats=repeats)
-    _emit(out, as_json, render_measure)

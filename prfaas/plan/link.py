@@ -1,4 +1,4 @@
-"""Link verdict: the Ethernet rules of ARCHITECTURE.md applied to a KV curve, a prompt-length mix and a link.
+"""Link verdict: the Ethernet rules (docs/planning.md) applied to a KV curve, a prompt-length mix and a link.
 
 Rules (each reported with value, limit and margin):
 - ``bandwidth``: peak KV throughput (QPS × mean KV bytes × 8) ≤ 70 % of the available bandwidth;

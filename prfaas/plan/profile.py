@@ -1,4 +1,4 @@
-"""Speed profiles (CONTRACTS.md): ``{"model", "dtype", "hardware", "prefill": [{"seq_len", "seconds"}],
+"""Speed profiles (docs/contracts.md): ``{"model", "dtype", "hardware", "prefill": [{"seq_len", "seconds"}],
 "decode": [{"batch", "tpot_seconds"}], "kv": [{"seq_len", "codec", "bytes"}]}``, as ``prfaas measure``
 writes them.
 """

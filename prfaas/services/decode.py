@@ -12,36 +12,43 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prfaas.config import Config
 from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVNotFound, PrfaasError
+from prfaas.events import Done, Failed, GenerateEvent, Stages, Token
 from prfaas.kv import BlobReader, KVState
 from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.obs import metrics
-from prfaas.security import runtime as tls_runtime
-from prfaas.services.batcher import Batcher, Prepared, Sequence
+from prfaas.security.runtime import PLAINTEXT, Security
+from prfaas.services.decode_scheduler import DecodeScheduler, Prepared, Sequence
 from prfaas.services.textstream import TextStream
-from prfaas.store.abandon import release_abandoned
-from prfaas.transfer import pull, release
-from prfaas.transfer import stats as transfer_stats
+from prfaas.transfer import TransferContext, pull, release
+
+if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
+    from prfaas.engine.protocol import Engine
+from prfaas.transfer.abandon import release_abandoned
 
 CREATION_GRACE_S = 2.0  # relay mode: the header may still be on its way to the relay
 TOKEN_CHARS_UNKNOWN = 64  # characters a token may stand for, when the tokenizer has no vocabulary to measure
 
 
 class DecodeService:
-    def __init__(self, engine: Any, config: Config) -> None:
+    """The decode role's work: tokenising, pulling and restoring KV, and streaming tokens from the scheduler."""
+
+    def __init__(self, engine: Engine, config: Config, security: Security = PLAINTEXT) -> None:
         self.engine = engine
         self.config = config
-        self.batcher = Batcher(engine, config.decode_max_batch)
+        self.scheduler = DecodeScheduler(engine, config.decode_max_batch)
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
-        self.keeps_kv = bool(getattr(engine, "keeps_kv", True))  # False: pulled KV is verified, then dropped
+        self.keeps_kv = engine.keeps_kv  # False: pulled KV is verified, then dropped
         self.max_prompt_chars = engine.max_seq_len * longest_token_chars(engine.tokenizer)
         # one thread: tokenising never blocks the event loop (the tokenizer releases the GIL), and calls into the
         # tokenizer never overlap each other
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # what every pull of this role shares: limits, client TLS, max_inflight_kv, arenas, verify threads, stats
+        self.transfer = TransferContext.for_role(config.limits, security.client_ssl(), config.max_inflight_kv)
 
     async def tokenize(self, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids. ``InvalidRequest`` at once, without tokenising, for text longer than the model's
@@ -73,7 +80,7 @@ class DecodeService:
             raise ContextLengthExceeded(f"the {field} has {chars} characters of text, more than this model's "
                                         f"context of {self.engine.max_seq_len} tokens can hold", field)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Holds a reservation of the sequence's KV bytes (prompt + max_tokens) while it runs, so the free KV
         memory in heartbeats is what new requests can really get."""
         need = self.fixed_bytes + self.bytes_per_token * (len(request.token_ids) + request.max_tokens)
@@ -82,19 +89,19 @@ class DecodeService:
             async for event in self._generate(request):
                 yield event
         except PrfaasError as exc:
-            yield {"event": "error", **exc.to_wire()}
+            yield Failed.of(exc)
         finally:
             self.reserved_kv_bytes -= need
 
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        sampling = request.sampling_params()
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        sampling = request.sampling
         arrived = time.perf_counter()
         stages: dict[str, float] = {}
         if request.kv_id:
             try:
                 kv = await self._pull(request)
             except BaseException:  # failed or cancelled (the client left): this consumer gives the blob up now
-                await release_abandoned(request.kv_address, request.kv_id, ssl=tls_runtime.client_ssl())
+                await release_abandoned(request.kv_address, request.kv_id, ssl=self.transfer.client_ssl)
                 raise
             stages["transfer_ms"] = (time.perf_counter() - arrived) * 1e3
             metrics.TRANSFER_SECONDS.observe(stages["transfer_ms"] / 1e3)
@@ -104,7 +111,7 @@ class DecodeService:
         seq = Sequence(seq_id=request.request_id, prepare=prepare, max_new=request.max_tokens, sampling=sampling,
                        step=step, eos=() if request.ignore_eos else self.engine.eos_token_ids,
                        loop=asyncio.get_running_loop())
-        self.batcher.submit(seq)
+        self.scheduler.submit(seq)
         released = {"done": not request.kv_id}
         try:
             async for event in self._events(request, seq, stages, released):
@@ -112,10 +119,10 @@ class DecodeService:
         finally:
             seq.cancelled.set()  # done, stopped or abandoned: the slot is freed at the next step
             if not released["done"]:  # restore failed or the client left first: nobody will consume the blob
-                await release_abandoned(request.kv_address, request.kv_id, ssl=tls_runtime.client_ssl())
+                await release_abandoned(request.kv_address, request.kv_id, ssl=self.transfer.client_ssl)
 
     async def _events(self, request: GenerateRequest, seq: Sequence, stages: dict[str, float],
-                      released: dict[str, bool]) -> AsyncIterator[dict[str, Any]]:
+                      released: dict[str, bool]) -> AsyncIterator[GenerateEvent]:
         text, count, reason = TextStream(self.engine.tokenizer, request.stop), 0, "length"
         while True:
             kind, *rest = await seq.out.get()
@@ -125,20 +132,18 @@ class DecodeService:
                 reason = "stop" if rest[0] == "stop" else "length"
                 break
             token, extra = rest
-            event: dict[str, Any] = {"event": "token", "token": token}
+            first: Stages | None = None
             if count == 0:
                 if request.kv_id:  # the KV is in our model cache now: the store may delete it
                     released["done"] = True
-                    await release(request.kv_address, request.kv_id, timeout_s=5.0,
-                                  ssl=tls_runtime.client_ssl())
-                event["stages"] = {**stages, **extra}
+                    await release(request.kv_address, request.kv_id, timeout_s=5.0, ssl=self.transfer.client_ssl)
+                first = Stages(**{**stages, **extra})
             count += 1
-            event["text"] = text.feed(token)
-            yield event
+            yield Token(token=token, text=text.feed(token), stages=first)
             if text.stopped:
                 reason = "stop"
                 break
-        yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": text.flush()}
+        yield Done(finish_reason=reason, completion_tokens=count, text=text.flush())
 
     def _restore(self, kv: KVState) -> Iterator[Prepared | None]:
         started = time.perf_counter()
@@ -164,11 +169,10 @@ class DecodeService:
         timeout_s = self.config.kv_transfer_timeout_ms / 1e3 + 10.0
         while True:
             try:
-                reader = BlobReader(retain=self.keeps_kv)
+                reader = BlobReader(retain=self.keeps_kv, limits=self.transfer.limits)
                 kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
-                                ssl=tls_runtime.client_ssl(),
                                 retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
-                                limit=transfer_stats.process_limit(self.config.max_inflight_kv))
+                                context=self.transfer)
                 metrics.TRANSFER_BYTES.inc(kv.nbytes)
                 return kv
             except KVNotFound:
@@ -179,16 +183,17 @@ class DecodeService:
     def load(self) -> dict[str, int]:
         budget = self.config.store_budget_bytes
         try:
-            used = max(self.reserved_kv_bytes, self.batcher.batch.kv_bytes())
+            used = max(self.reserved_kv_bytes, self.scheduler.batch.kv_bytes())
         except RuntimeError:  # the engine thread was changing the batch: the reservation is a fine estimate
             used = self.reserved_kv_bytes
-        return {"queue_depth": self.batcher.queue_depth, "free_kv_bytes": max(0, budget - used),
+        return {"queue_depth": self.scheduler.queue_depth, "free_kv_bytes": max(0, budget - used),
                 "kv_budget_bytes": budget, "kv_bytes_per_token": self.bytes_per_token,
                 "kv_fixed_bytes": self.fixed_bytes}
 
     def close(self) -> None:
-        self.batcher.close()
+        self.scheduler.close()
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.transfer.close()
 
 
 def longest_token_chars(tokenizer: Any) -> int:

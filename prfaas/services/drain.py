@@ -25,6 +25,11 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from prfaas.config import Config
+from prfaas.store import BlobStore
 
 log = logging.getLogger("prfaas.drain")
 QUIET_S = 1.0
@@ -143,42 +148,37 @@ def server_class(drain: Drain) -> type[uvicorn.Server]:
     return type("BoundDrainingServer", (DrainingServer,), {"drain": drain})
 
 
-def attach(instance: Any) -> Drain:
-    """Give an ``Instance`` its drain: the work counter, ``POST /admin/drain`` and ``GET /ready`` (503 while
-    draining: a readiness probe, where ``/health`` stays the liveness probe)."""
-    from fastapi.responses import JSONResponse
+class InstanceDrain(Drain):
+    """An instance's drain: idle once no work request is open and, where it holds a store (relay; prefill in
+    direct mode), no blob is left — a store holder serves until every blob is released or expired, so its deadline
+    is at least the KV TTL. ``install`` gives the instance's app the work counter, ``POST /admin/drain`` and
+    ``GET /ready`` (503 while draining: a readiness probe, where ``/health`` stays the liveness probe)."""
 
-    work = OpenWork()
-    instance.app.add_middleware(WorkCounter, work=work)
-    config = instance.config
-    deadline = config.drain_timeout_ms / 1e3
-    if instance.store is not None:  # a store holder serves until every blob is released or expired
-        deadline = max(deadline, config.kv_ttl_seconds + 2.0)
+    def __init__(self, config: Config, store: BlobStore | None, announce: Callable[[], Awaitable[None]]) -> None:
+        deadline = config.drain_timeout_ms / 1e3
+        if store is not None:
+            deadline = max(deadline, config.kv_ttl_seconds + 2.0)
+        super().__init__(deadline, self._idle, announce, quiet_s=max(QUIET_S, 2 * config.heartbeat_interval_ms / 1e3))
+        self.store = store
+        self.work = OpenWork()
 
-    def idle() -> bool:
-        return work.open == 0 and (instance.store is None or instance.store.stats().blobs == 0)
+    def _idle(self) -> bool:
+        return self.work.open == 0 and (self.store is None or self.store.stats().blobs == 0)
 
-    async def announce() -> None:
-        beat = getattr(instance, "beat", None)
-        if beat is not None:  # restart the heartbeat: its first beat, at once, says draining
-            await beat.stop(deregister=False)
-            beat.start()
+    def install(self, app: FastAPI, instance_id: str) -> None:
+        app.add_middleware(WorkCounter, work=self.work)
 
-    quiet = max(QUIET_S, 2 * config.heartbeat_interval_ms / 1e3)
-    drain = Drain(deadline, idle, announce, quiet_s=quiet)
+        @app.post("/admin/drain")
+        async def start_drain() -> dict[str, Any]:
+            started = self.begin("admin request")
+            return {"instance_id": instance_id, "draining": True, "started": started,
+                    "deadline_s": self.deadline_s, "open_requests": self.work.open}
 
-    @instance.app.post("/admin/drain")
-    async def start_drain() -> dict[str, Any]:
-        started = drain.begin("admin request")
-        return {"instance_id": instance.options.instance_id, "draining": True, "started": started,
-                "deadline_s": deadline, "open_requests": work.open}
-
-    @instance.app.get("/ready")
-    async def ready() -> JSONResponse:
-        status = "draining" if drain.draining else "ready"
-        return JSONResponse({"status": status, "open_requests": work.open}, status_code=503 if drain.draining else 200)
-
-    return drain
+        @app.get("/ready")
+        async def ready() -> JSONResponse:
+            status = "draining" if self.draining else "ready"
+            return JSONResponse({"status": status, "open_requests": self.work.open},
+                                status_code=503 if self.draining else 200)
 
 
 class RouterGate:
@@ -195,8 +195,6 @@ class RouterGate:
                 router_work(scope["path"]) or scope["path"] == "/health"):
             await self.app(scope, receive, send)
             return
-        from fastapi.responses import JSONResponse
-
         from prfaas.errors import KVUnavailable
         from prfaas.services import http
 

@@ -1,4 +1,8 @@
-"""One prefill, decode or relay process: its HTTP control app, its data plane, heartbeats, and a clean shutdown.
+"""The core every instance role is built on (``Instance``): its sockets, its data plane (when it holds a store),
+heartbeats, the drain and a clean shutdown. A role class (``prfaas.services.roles``: ``PrefillServer``,
+``DecodeServer``, ``RelayServer``) gets the core passed in, builds its HTTP app with ``build_app`` (which installs
+what every role shares: error handlers, metrics, the drain, the guards, ``/health``, ``/stats``, ``/debug/store``)
+and adds its own routes.
 
 Lifecycle: bind sockets → load the engine (prefill, decode) → start the transfer server (when the role holds a
 store) → serve HTTP and heartbeat the router → on SIGTERM: drain first (``prfaas.services.drain``), then as on
@@ -16,7 +20,7 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -24,14 +28,18 @@ from prfaas.config import Config
 from prfaas.messages import InstanceInfo
 from prfaas.obs import metrics
 from prfaas.security import guards
-from prfaas.security import runtime as tls_runtime
 from prfaas.security.apikeys import parse_keys
 from prfaas.security.registration import credential
+from prfaas.security.runtime import Security
 from prfaas.services import drain, http
+from prfaas.services.drain import InstanceDrain
 from prfaas.services.heartbeat import Heartbeat
 from prfaas.services.kvstore import StoreRuntime
 from prfaas.transfer import TransferServer
 from prfaas.transfer.conn import split_address
+
+if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
+    from prfaas.engine.protocol import EngineInfo
 
 log = logging.getLogger("prfaas.instance")
 SWEEP_INTERVAL_S = 1.0
@@ -51,14 +59,19 @@ class InstanceOptions:
     engine: str = "prfaas"  # prfaas (the embedded engine) | vllm (a child vLLM server: prfaas.vllm.serving)
 
 
+Load = Callable[[], dict[str, int]]  # a role's load for heartbeats: queue_depth, free_kv_bytes, …
+
+
 class Instance:
-    """Holds what every role shares; the role adds its routes to ``app`` and reports ``load()``."""
+    """What every role shares. The role fills in what its engine advertises (``fingerprint``, ``model``,
+    ``max_seq_len``, ``model_root``, ``kv_address`` where another process serves KV) and adds ``closers``."""
 
     def __init__(self, options: InstanceOptions, config: Config, with_store: bool) -> None:
         self.options = options
         self.config = config
+        self.security = Security.of(config, options.role)  # the role's TLS, checked before anything binds
         self.http_sock = http.bind(options.host, options.port)
-        self.url = "{}://{}:{}".format(tls_runtime.scheme(), *self.http_sock.getsockname()[:2])
+        self.url = "{}://{}:{}".format(self.security.scheme(), *self.http_sock.getsockname()[:2])
         self.kv_sock = http.bind(options.host, options.kv_port) if with_store else None
         if options.advertise_kv:
             split_address(options.advertise_kv)  # InvalidRequest at start, not when a peer dials it
@@ -69,17 +82,30 @@ class Instance:
         self.fingerprint: dict[str, Any] = {}
         self.model, self.max_seq_len = options.model, 0
         self.model_root = ""  # where the engine's tokenizer loads from (InstanceInfo.model_root)
-        self.load: Callable[[], dict[str, int]] = lambda: {}
         self.closers: list[Callable[[], None]] = []  # run once at shutdown, last first (an engine's child process)
         self.exit_code = 0  # non-zero once ``fail`` was called: the process exits with it, so a supervisor restarts it
-        self.app = FastAPI(title=f"prfaas {options.role}", lifespan=self._lifespan)
-        http.install_error_handlers(self.app)
-        http.install_metrics(self.app, metrics.served(options.role, options.engine))
-        self.drain = drain.attach(self)  # SIGTERM / POST /admin/drain: finish, then exit (drain.py)
-        guards.protect_instance(self.app, self.kv._accessed if self.kv else None, config, options.instance_id)
-        self._routes()
+        self.drain = InstanceDrain(config, self.store, self._announce)  # SIGTERM / POST /admin/drain (drain.py)
+        self.beat: Heartbeat | None = None  # runs while the app serves (its lifespan)
+        self._load: Load = dict  # no role yet, no load to report (``build_app`` sets the role's)
 
+    def advertise(self, engine: EngineInfo) -> None:
+        """What heartbeats say of the engine this instance serves: fingerprint, model, context, tokenizer root."""
+        self.fingerprint = engine.fingerprint.to_wire()
+        self.model, self.max_seq_len = engine.name, engine.max_seq_len
+        self.model_root = engine.root
 
+    def build_app(self, load: Load) -> FastAPI:
+        """The role's app, with what every role shares and this core's lifespan; ``load`` is the role's load,
+        sent in each heartbeat. Once per core: the app's lifespan runs this core's heartbeat and data plane."""
+        self._load = load
+        app = FastAPI(title=f"prfaas {self.options.role}", lifespan=self._lifespan)
+        http.install_error_handlers(app)
+        http.install_metrics(app, metrics.served(self.options.role, self.options.engine))
+        self.drain.install(app, self.options.instance_id)  # finish, then exit (drain.py)
+        guards.protect_instance(app, self.kv._accessed if self.kv else None, self.config, self.options.instance_id,
+                                self.security)
+        self._routes(app)
+        return app
 
     def info(self) -> InstanceInfo:
         return InstanceInfo.from_json({
@@ -87,24 +113,25 @@ class Instance:
             "kv_address": self.kv_address, "datacenter": self.config.datacenter, "fingerprint": self.fingerprint,
             "model": self.model, "model_root": self.model_root, "max_seq_len": self.max_seq_len,
             "draining": self.drain.draining,
-            "config_hash": self.config.digest(), **self.load()})
+            "config_hash": self.config.digest(), **self._load()})
 
-    async def run(self) -> None:
-        await http.serve(self.app, self.http_sock, ssl=tls_runtime.server_ssl(),
+    async def serve(self, app: FastAPI) -> None:
+        """Serve ``app`` (from ``build_app``) on this core's socket until shutdown; SIGTERM drains first."""
+        await http.serve(app, self.http_sock, ssl=self.security.server_ssl(),
                          server_class=drain.server_class(self.drain))
 
-    def _routes(self) -> None:
-        @self.app.get("/health")
+    def _routes(self, app: FastAPI) -> None:
+        @app.get("/health")
         async def health() -> dict[str, Any]:
             return {"status": "ok", "pid": os.getpid(), **self.info().to_json()}
 
-        @self.app.get("/stats")
+        @app.get("/stats")
         async def stats() -> dict[str, Any]:
             if self.kv is None:
                 return {"store": None, "records": []}
             return self.kv.stats()
 
-        @self.app.get("/debug/store")
+        @app.get("/debug/store")
         async def debug_store() -> dict[str, Any]:
             return self.kv.debug() if self.kv else {"backend": None, "blobs": []}
 
@@ -114,8 +141,9 @@ class Instance:
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
         beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3,
                          on_refused=self._refused,
-                         headers=credential(parse_keys(self.config.api_keys), self.options.role))
-        self.beat = beat  # the drain restarts it to announce itself at once
+                         headers=credential(parse_keys(self.config.api_keys), self.options.role),
+                         verify=self.security.http_verify())
+        self.beat = beat
         beat.start()
         log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
                  self.kv_address or "-")
@@ -133,6 +161,12 @@ class Instance:
                 log.info("store closed: %d blobs ended at shutdown", len(left))
             self.close()
 
+    async def _announce(self) -> None:
+        """The drain has begun: restart the heartbeat, whose first beat, at once, says draining."""
+        if self.beat is not None:
+            await self.beat.stop(deregister=False)
+            self.beat.start()
+
     def close(self) -> None:
         """Run the closers (idempotent: also called when the process ends without a lifespan)."""
         while self.closers:
@@ -143,7 +177,7 @@ class Instance:
             return None
         host, port = self.kv_sock.getsockname()[:2]
         self.kv_sock.close()  # the transfer server binds the same port itself
-        server = self.kv.server(host, port)
+        server = self.kv.server(host, port, self.security)
         await server.start()
         return server
 

@@ -12,31 +12,38 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prfaas.config import Config
 from prfaas.errors import PrfaasError
+from prfaas.events import Accepted, Failed, PrefillDone, PrefillEvent
 from prfaas.kv import FORMAT_VERSION, BlobHeader, BlobWriter, LayerState, check_kv_id
 from prfaas.kv.fingerprint import negotiate_version
 from prfaas.messages import PrefillRequest, SamplingParams
 from prfaas.obs import metrics
-from prfaas.services.batcher import PrefillJob, PrefillScheduler
+from prfaas.security.runtime import PLAINTEXT, Security
+from prfaas.services.prefill_scheduler import PrefillJob, PrefillScheduler
 from prfaas.services.sinks import FrameSink, PushSink, StoreSink
 from prfaas.store import BlobStore
+
+if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
+    from prfaas.engine.protocol import Engine
 
 
 class PrefillService:
     """Owns a blob from ``accepted`` until its trailer is written; then the store owns it."""
 
-    def __init__(self, engine: Any, config: Config, store: BlobStore | None) -> None:
+    def __init__(self, engine: Engine, config: Config, store: BlobStore | None,
+                 security: Security = PLAINTEXT) -> None:
         self.engine = engine
+        self.client_ssl = security.client_ssl()  # the role's TLS for its pushes to the relay
         self.config = config
         self.store = store
         self.scheduler = PrefillScheduler(engine, config.prefill_max_batch, config.prefill_batch_tokens,
                                           config.prefill_chunk_tokens)
         self._inflight = asyncio.Semaphore(config.max_inflight_kv)
 
-    async def prefill(self, request: PrefillRequest) -> AsyncIterator[dict[str, Any]]:
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
         """NDJSON events: ``accepted`` once the blob exists, then ``done`` (first token, sizes) or ``error``."""
         arrived = time.perf_counter()
         try:
@@ -44,10 +51,10 @@ class PrefillService:
                 async for event in self._prefill(request, arrived):
                     yield event
         except PrfaasError as exc:
-            yield {"event": "error", **exc.to_wire()}
+            yield Failed.of(exc)
 
-    async def _prefill(self, request: PrefillRequest, arrived: float) -> AsyncIterator[dict[str, Any]]:
-        sampling = request.sampling_params()
+    async def _prefill(self, request: PrefillRequest, arrived: float) -> AsyncIterator[PrefillEvent]:
+        sampling = request.sampling
         self.engine.check_prompt(request.token_ids)  # a prompt the engine refuses is refused before `accepted`
         version = negotiate_version([request.format_version]) if request.format_version else FORMAT_VERSION
         writer = BlobWriter(self._header(request, version), version)
@@ -56,7 +63,7 @@ class PrefillService:
         done = self._submit(request.token_ids, sampling, writer, sink)  # computes while the relay creates the blob
         try:
             await sink.ready()  # the blob exists where decode reads it: decode's first Get finds it
-            yield {"event": "accepted"}
+            yield Accepted()
             first_token, seconds = await done
             await sink.finish(writer.finish(first_token))
         except BaseException:
@@ -64,9 +71,8 @@ class PrefillService:
             await sink.abort("aborted")
             raise
         metrics.PREFILL_SECONDS.observe(seconds)
-        yield {"event": "done", "first_token": first_token, "kv_bytes": writer.bytes_written,
-               "chunks": writer.chunks_written, "prefill_ms": seconds * 1e3,
-               "queue_ms": (started - arrived) * 1e3}
+        yield PrefillDone(first_token=first_token, kv_bytes=writer.bytes_written, chunks=writer.chunks_written,
+                          prefill_ms=seconds * 1e3, queue_ms=(started - arrived) * 1e3)
 
     def _submit(self, token_ids: list[int], sampling: SamplingParams, writer: BlobWriter,
                 sink: FrameSink) -> asyncio.Future[tuple[int, float]]:
@@ -103,7 +109,7 @@ class PrefillService:
     def _sink(self, request: PrefillRequest, header: bytes) -> FrameSink:
         if request.push_to:
             timeout = self.config.kv_transfer_timeout_ms / 1e3 + 30.0
-            return PushSink(request.push_to, request.kv_id, header, timeout, tls=None, tenant=request.tenant,
+            return PushSink(request.push_to, request.kv_id, header, timeout, tls=self.client_ssl, tenant=request.tenant,
                             ttl_s=request.kv_ttl_seconds)
         assert self.store is not None, "direct mode needs the prefill's own store"
         return StoreSink(self.store, request.kv_id, header, request.tenant, request.kv_ttl_seconds)

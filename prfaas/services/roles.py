@@ -1,114 +1,151 @@
-"""Wiring of each instance role: which service, which routes. ``prfaas serve prefill|decode|relay`` calls
-``run_role``."""
+"""The instance roles as classes, each on the shared core (``prfaas.services.instance.Instance``) passed in:
+``PrefillServer`` (``POST /prefill``), ``DecodeServer`` (``POST /tokenize``, ``POST /generate``) and
+``RelayServer`` (no route of its own: its data plane is the core's transfer server). Each owns its app, its routes
+and its load; the core supplies sockets, heartbeat, drain and shutdown.
+
+The work behind a role's routes is a backend: the embedded engine's ``PrefillService`` / ``DecodeService``
+(``build`` here), or a child vLLM server's (``prfaas.vllm.serving``, wired by ``prfaas.serve``, which sits above
+this package and ``prfaas.vllm``). ``prfaas serve prefill|decode|relay`` calls ``run_role``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from prfaas.config import Config
 from prfaas.errors import InvalidRequest
+from prfaas.events import GenerateEvent, PrefillEvent
 from prfaas.messages import GenerateRequest, PrefillRequest
-from prfaas.security import runtime as tls_runtime
 from prfaas.services import http, jsonbody
 from prfaas.services.instance import Instance, InstanceOptions
 
 
-def run_role(options: InstanceOptions, config: Config) -> None:
+class PrefillBackend(Protocol):
+    def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
+        """NDJSON events: ``accepted``, then ``done`` or ``error``."""
+
+    def load(self) -> dict[str, int]: ...
+
+
+class DecodeBackend(Protocol):
+    async def tokenize(self, body: dict[str, Any]) -> list[int]: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """NDJSON events: ``token`` …, then ``done`` or ``error``."""
+
+    def load(self) -> dict[str, int]: ...
+
+
+class RoleServer:
+    """One role's HTTP server on ``core``: ``routes`` adds the role's own routes to ``app``, ``load`` is what
+    heartbeats report. ``run`` serves until shutdown; ``close`` (idempotent) runs the core's closers."""
+
+    def __init__(self, core: Instance) -> None:
+        self.core = core
+        self.app = core.build_app(self.load)
+        self.routes()
+
+    def load(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def routes(self) -> None:
+        """The role's own routes (none by default)."""
+
+    async def run(self) -> None:
+        await self.core.serve(self.app)
+
+    def close(self) -> None:
+        self.core.close()
+
+
+class PrefillServer(RoleServer):
+    """Prefill (datacenter A): ``POST /prefill`` streams the backend's events (``accepted``, ``done``)."""
+
+    def __init__(self, core: Instance, backend: PrefillBackend) -> None:
+        self.backend = backend
+        super().__init__(core)
+
+    def load(self) -> dict[str, int]:
+        return self.backend.load()
+
+    def routes(self) -> None:
+        self.app.post("/prefill")(self.prefill)
+
+    async def prefill(self, request: Request) -> StreamingResponse:
+        return http.ndjson(self.backend.prefill(PrefillRequest.from_json(await jsonbody.read(request))))
+
+
+class DecodeServer(RoleServer):
+    """Decode (datacenter B): ``POST /tokenize`` (the router tokenises here) and ``POST /generate`` (tokens)."""
+
+    def __init__(self, core: Instance, backend: DecodeBackend) -> None:
+        self.backend = backend
+        super().__init__(core)
+
+    def load(self) -> dict[str, int]:
+        return self.backend.load()
+
+    def routes(self) -> None:
+        self.app.post("/tokenize")(self.tokenize)
+        self.app.post("/generate")(self.generate)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        return {"token_ids": await self.backend.tokenize(await jsonbody.read_object(request))}
+
+    async def generate(self, request: Request) -> StreamingResponse:
+        return http.ndjson(self.backend.generate(GenerateRequest.from_json(await jsonbody.read(request))))
+
+
+class RelayServer(RoleServer):
+    """Relay (datacenter B): holds blobs between prefill and decode in the core's store; its load is the blobs
+    held and the store's free bytes."""
+
+    def load(self) -> dict[str, int]:
+        assert self.core.store is not None, "a relay's core holds a store"
+        stats = self.core.store.stats()
+        return {"queue_depth": stats.blobs, "free_kv_bytes": self.core.store.budget_bytes - stats.bytes}
+
+
+Build = Callable[[InstanceOptions, Config], RoleServer]
+
+
+def run_role(options: InstanceOptions, config: Config, build: Build) -> None:
+    """Build the role (``build``), serve it until shutdown, then close it; exits non-zero after ``Instance.fail``."""
     http.setup_logging(options.instance_id)
-    tls_runtime.configure(config, options.role)
-    instance = build(options, config)
+    server = build(options, config)
     try:
-        asyncio.run(instance.run())
+        asyncio.run(server.run())
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has stopped
-        if not instance.exit_code:
+        if not server.core.exit_code:
             raise  # an operator's Ctrl-C ends the process as one
     finally:
-        instance.close()  # whatever ended the loop, the engine's child process ends with it
-    if instance.exit_code:
-        raise SystemExit(instance.exit_code)
+        server.close()  # whatever ended the loop, the engine's child process ends with it
+    if server.core.exit_code:
+        raise SystemExit(server.core.exit_code)
 
 
-def build(options: InstanceOptions, config: Config) -> Instance:
+def build(options: InstanceOptions, config: Config) -> RoleServer:
+    """The relay, or a prefill or decode instance on the embedded engine (``--engine prfaas``)."""
     if options.role == "relay":
-        instance = Instance(options, config, with_store=True)
-        assert instance.store is not None
-        store = instance.store
-        instance.load = lambda: {"queue_depth": store.stats().blobs,
-                                 "free_kv_bytes": store.budget_bytes - store.stats().bytes}
-        return instance
-    if options.engine == "vllm":
-        return _build_vllm(options, config)
+        return RelayServer(Instance(options, config, with_store=True))
+    if options.role not in ("prefill", "decode"):
+        raise ValueError(f"unknown role {options.role!r}")
     if options.engine != "prfaas":
         raise InvalidRequest(f"--engine must be prfaas or vllm, not {options.engine!r}")
+    # torch and the model load here, in the process of a role that computes, never in a light one
     from prfaas.engine import load_engine
+    from prfaas.services.decode import DecodeService
+    from prfaas.services.prefill import PrefillService
 
     engine = load_engine(options.model, dtype=options.dtype)
     _ = engine.layer_table  # computed once, before the first request needs it
+    core = Instance(options, config, with_store=options.role == "prefill")
+    core.advertise(engine)
     if options.role == "prefill":
-        instance = Instance(options, config, with_store=True)
-        _prefill_routes(instance, engine)
-    elif options.role == "decode":
-        instance = Instance(options, config, with_store=False)
-        _decode_routes(instance, engine)
-    else:
-        raise ValueError(f"unknown role {options.role!r}")
-    instance.fingerprint = engine.fingerprint.to_wire()
-    instance.model, instance.max_seq_len = engine.name, engine.max_seq_len
-    instance.model_root = engine.root
-    return instance
-
-
-def _build_vllm(options: InstanceOptions, config: Config) -> Instance:
-    """The role on a child vLLM server (``prfaas.vllm.serving``): no store here (the connector's is inside vLLM),
-    the same routes."""
-    from prfaas.vllm import serving
-
-    if options.role not in ("prefill", "decode"):
-        raise ValueError(f"unknown role {options.role!r}")
-    instance = Instance(options, config, with_store=False)
-    try:
-        service = serving.start(instance)
-    except BaseException:
-        instance.close()
-        raise
-    if isinstance(service, serving.VllmPrefill):
-        _serve_prefill(instance, service)
-    else:
-        _serve_decode(instance, service)
-    return instance
-
-
-def _prefill_routes(instance: Instance, engine: Any) -> None:
-    from prfaas.services.prefill import PrefillService
-
-    _serve_prefill(instance, PrefillService(engine, instance.config, instance.store))
-
-
-def _serve_prefill(instance: Instance, service: Any) -> None:
-    instance.load = service.load
-
-    @instance.app.post("/prefill")
-    async def prefill(request: Request) -> StreamingResponse:
-        return http.ndjson(service.prefill(PrefillRequest.from_json(await jsonbody.read(request))))
-
-
-def _decode_routes(instance: Instance, engine: Any) -> None:
-    from prfaas.services.decode import DecodeService
-
-    _serve_decode(instance, DecodeService(engine, instance.config))
-
-
-def _serve_decode(instance: Instance, service: Any) -> None:
-    instance.load = service.load
-
-    @instance.app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        return {"token_ids": await service.tokenize(await jsonbody.read_object(request))}
-
-    @instance.app.post("/generate")
-    async def generate(request: Request) -> StreamingResponse:
-        return http.ndjson(service.generate(GenerateRequest.from_json(await jsonbody.read(request))))
+        return PrefillServer(core, PrefillService(engine, config, core.store, core.security))
+    return DecodeServer(core, DecodeService(engine, config, core.security))

@@ -10,7 +10,7 @@ from prfaas.engine import load_engine
 from prfaas.engine.loader import native_dtype
 from prfaas.engine.worker import DecodeWorker
 from prfaas.errors import InvalidRequest, KVBadFormat, KVIncompatible
-from prfaas.kv import KVState
+from prfaas.kv import decode_state, encode_state
 from tests.conftest import random_prompt
 
 HYBRID_KINDS = {
@@ -58,7 +58,7 @@ def test_fingerprint_mismatch_is_refused_with_field_names(engines) -> None:
     with pytest.raises(KVIncompatible, match="weights"):
         engine.decode(forged, out.next_token)
     with DecodeWorker("tiny-lfm2") as other, pytest.raises(KVIncompatible, match=r"arch.*weights"):
-        other.decode(out.kv.to_bytes(), out.next_token, 4)
+        other.decode(encode_state(out.kv), out.next_token, 4)
 
 
 def test_bfloat16_engine_is_a_different_fingerprint(engines) -> None:
@@ -67,7 +67,7 @@ def test_bfloat16_engine_is_a_different_fingerprint(engines) -> None:
     assert bf16.fingerprint.mismatches(fp32.fingerprint) == ["weights", "dtype"]
     ids = random_prompt(40)
     out = bf16.prefill(ids)
-    kv = KVState.from_bytes(out.kv.to_bytes())
+    kv = decode_state(encode_state(out.kv))
     assert kv.layers[0].tensors["keys"].dtype.name == "bfloat16"
     assert [out.next_token, *bf16.decode(kv, out.next_token, 7)] == bf16.generate(ids, 8)
 

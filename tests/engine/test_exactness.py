@@ -8,6 +8,7 @@ import pytest
 
 from prfaas.engine import BUILTIN_MODELS
 from prfaas.engine.worker import DecodeWorker
+from prfaas.kv import encode_state
 from tests.conftest import random_prompt
 
 NEW_TOKENS = 12
@@ -29,7 +30,7 @@ def test_disaggregated_equals_monolithic(pair: tuple, length: int) -> None:
     ids = random_prompt(length, seed=7)
     reference = engine.generate(ids, NEW_TOKENS)
     out = engine.prefill(ids)
-    reply = worker.decode(out.kv.to_bytes(codec="none"), out.next_token, NEW_TOKENS - 1)
+    reply = worker.decode(encode_state(out.kv, codec="none"), out.next_token, NEW_TOKENS - 1)
     assert [out.next_token, *reply["tokens"]] == reference[: 1 + len(reply["tokens"])]
     assert len(reply["tokens"]) == NEW_TOKENS - 1 or reply["tokens"][-1] in engine.eos_token_ids
 

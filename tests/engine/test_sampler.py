@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from prfaas.engine.engine import pick_token
+from prfaas.engine.sampling import pick_token
 from prfaas.errors import InvalidRequest
 from prfaas.messages import SamplingParams
 

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from prfaas.cli import app
 from prfaas.engine import BUILTIN_MODELS
+from prfaas.engine.measure import mla_layout_of, prompt, run_measure
 from prfaas.kv.state import ATTENTION_KINDS
 from prfaas.plan import plan_from_path
-from prfaas.plan.measure import mla_layout_of, prompt, run_measure
 
 LENGTHS = [1, 37, 200]  # below, inside and past the tiny models' windows and conv kernels
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from prfaas.services.batcher import Counter
+from prfaas.services.counter import Counter
 
 
 def test_counter_changed_from_two_threads_loses_no_update() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 
 from prfaas.errors import InvalidRequest
-from prfaas.kv import KVState
-from prfaas.services.batcher import PrefillJob, PrefillScheduler
+from prfaas.kv import KVState, decode_state, encode_state
+from prfaas.services.prefill_scheduler import PrefillJob, PrefillScheduler
 from tests.conftest import random_prompt
 
 
@@ -61,7 +61,7 @@ def test_short_prompts_batch_together_and_pass_a_long_one(engines) -> None:
         assert error is None
         kv = KVState(fingerprint=engine.fingerprint, seq_len=len(ids), layers=jobs[name].layers,
                      cache=engine.cache_class, first_token=token)
-        assert [token, *engine.decode(KVState.from_bytes(kv.to_bytes()), token, 3)] == engine.generate(ids, 4)
+        assert [token, *engine.decode(decode_state(encode_state(kv)), token, 3)] == engine.generate(ids, 4)
 
 
 def test_bounds_split_a_queue_into_batches(engines) -> None:

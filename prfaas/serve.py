@@ -1,10 +1,21 @@
-"""``prfaas serve router|prefill|decode|relay`` (one role, for real hosts) and ``prfaas up`` (all, here)."""
+"""``prfaas serve router|prefill|decode|relay`` (one role, for real hosts) and ``prfaas up`` (all, here).
+
+Above ``prfaas.services`` and ``prfaas.vllm``: it picks each instance's engine, the embedded one
+(``prfaas.services.roles.build``) or a child vLLM server (``_vllm_role``), so neither package imports the other's
+role wiring. Roles import inside the commands, so that ``prfaas --help`` stays fast.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import typer
 
 from prfaas.config import Config, load_config
+
+if TYPE_CHECKING:
+    from prfaas.services.instance import InstanceOptions
+    from prfaas.services.roles import RoleServer
 
 serve_app = typer.Typer(help="Run one role of a deployment.", no_args_is_help=True)
 
@@ -49,7 +60,35 @@ def _instance(role: str, router_url: str, instance_id: str, datacenter: str, mod
     options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
                               router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype,
                               advertise_kv=advertise_kv, engine=engine)
-    run_role(options, _config(config, offload_threshold, datacenter or None))
+    run_role(options, _config(config, offload_threshold, datacenter or None), _build)
+
+
+def _build(options: InstanceOptions, config: Config) -> RoleServer:
+    from prfaas.services import roles
+
+    if options.engine == "vllm" and options.role != "relay":
+        return _vllm_role(options, config)
+    return roles.build(options, config)
+
+
+def _vllm_role(options: InstanceOptions, config: Config) -> RoleServer:
+    """The role on a child vLLM server (``prfaas.vllm.serving``): no store here (the connector's is inside vLLM),
+    the same routes."""
+    from prfaas.services.instance import Instance
+    from prfaas.services.roles import DecodeServer, PrefillServer
+    from prfaas.vllm import serving
+
+    if options.role not in ("prefill", "decode"):
+        raise ValueError(f"unknown role {options.role!r}")
+    core = Instance(options, config, with_store=False)
+    try:
+        backend = serving.start(core)
+    except BaseException:
+        core.close()
+        raise
+    if isinstance(backend, serving.VllmPrefill):
+        return PrefillServer(core, backend)
+    return DecodeServer(core, backend)
 
 
 def _role_command(role: str, default_dc: str, help_text: str) -> None:

@@ -1,9 +1,9 @@
 """``prfaas measure``: run the real engine, size the KV it holds per codec, time prefill, compute Φ_kv.
 
-Output is a speed profile (CONTRACTS.md) plus extras. In ``kv`` rows, ``bytes`` is the whole blob a transfer
+Output is a speed profile (docs/contracts.md) plus extras. In ``kv`` rows, ``bytes`` is the whole blob a transfer
 ships (header, chunk frames, trailer) and ``tensor_bytes`` the raw tensor bytes (codec ``none``:
-``KVState.nbytes``), which ``plan kv`` must match exactly (``plan_bytes``, ``plan_matches``). torch and
-transformers are imported inside ``run_measure`` only.
+``KVState.nbytes``), which ``plan kv`` must match exactly (``plan_bytes``, ``plan_matches``). It lives beside the
+engine it runs, above ``prfaas.plan`` (whose arithmetic it checks), so the planner never imports the engine.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import random
 import time
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.engine.loader import load_engine
+from prfaas.kv import encode_state
 from prfaas.plan.kvcalc import plan_from_config
 from prfaas.plan.profile import phi_kv_gbps
 
@@ -36,8 +39,6 @@ def mla_layout_of(kv: Any, config: Any) -> str:
 
 
 def _hardware() -> str:
-    import torch
-
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"cpu {platform.processor() or platform.machine()} × {torch.get_num_threads()} threads"
@@ -45,8 +46,6 @@ def _hardware() -> str:
 
 def run_measure(*, model: str, lengths: list[int], codecs: list[str], dtype: str = "float32",
                 repeats: int = 1) -> dict[str, Any]:
-    from prfaas.engine import load_engine
-
     engine = load_engine(model, dtype=dtype)
     vocab = int(engine.config.vocab_size)
     prefill_rows, kv_rows = [], []
@@ -64,7 +63,7 @@ def run_measure(*, model: str, lengths: list[int], codecs: list[str], dtype: str
                                     mla_layout=mla_layout_of(out.kv, engine.config), name=model)
         prefill_rows.append({"seq_len": n, "seconds": best})
         for codec in codecs:
-            blob = len(out.kv.to_bytes(codec=codec))
+            blob = len(encode_state(out.kv, codec=codec))
             row: dict[str, Any] = {"seq_len": n, "codec": codec, "bytes": blob,
                                    "phi_kv_gbps": phi_kv_gbps(blob, best)}
             if codec == "none":

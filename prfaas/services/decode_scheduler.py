@@ -1,0 +1,147 @@
+"""The decode instance's engine loop on one thread, fed from the event loop: continuous batching.
+
+Each iteration: admit waiting sequences while the batch has room (a restore from transferred KV, or one chunk of a
+local prefill, so a long prompt never blocks running sequences for more than one chunk), then one decode step over
+every running sequence. Tokens go back to each request's asyncio queue; a request that is cancelled (client gone,
+stop string seen) leaves the batch at the next step and frees its slot. With nothing to do the thread sleeps on a
+queue (no busy-waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from prfaas.engine.batch import DecodeBatch, Row
+from prfaas.errors import PrfaasError
+from prfaas.messages import SamplingParams
+from prfaas.services.counter import Counter
+
+if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
+    from prfaas.engine.protocol import Engine
+
+log = logging.getLogger("prfaas.decode_scheduler")
+Prepared = tuple[Any, int, int, dict[str, float]]  # cache, first token, length, stage timings
+
+
+@dataclass
+class Sequence:
+    """One request in the engine loop. ``prepare`` runs on the engine thread and yields ``None`` between the
+    chunks of its work, then the prepared cache. Events on ``out``: ("token", id, stages) … ("end", reason)
+    or ("error", exception)."""
+
+    seq_id: str
+    prepare: Callable[[], Iterator[Prepared | None]]
+    max_new: int
+    sampling: SamplingParams | None
+    step: int
+    eos: tuple[int, ...]
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    produced: int = 0
+
+    def emit(self, *event: Any) -> None:
+        self.loop.call_soon_threadsafe(self.out.put_nowait, event)
+
+
+class DecodeScheduler:
+    """The decode instance's engine loop (see the module docstring). ``submit`` from the event loop; everything
+    else runs on its own thread, which owns the ``DecodeBatch``."""
+
+    def __init__(self, engine: Engine, max_batch: int) -> None:
+        self.batch = DecodeBatch(engine, max_batch)
+        self._waiting: queue.Queue[Sequence | None] = queue.Queue()
+        self._preparing: tuple[Sequence, Iterator[Prepared | None]] | None = None
+        self._running: dict[str, Sequence] = {}
+        self._waiting_count = Counter()
+        self._thread = threading.Thread(target=self._run, name="prfaas-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        self._waiting_count.add(1)
+        self._waiting.put(seq)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting_count.value
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting + len(self._running)
+
+    def close(self) -> None:
+        self._waiting.put(None)
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            if not self._admit():
+                return
+            if len(self.batch):
+                self._step()
+
+    def _admit(self) -> bool:
+        """Advance admission by one unit of work; False when the loop must stop."""
+        if self._preparing is None and not self.batch.full:
+            idle = not len(self.batch)
+            try:
+                seq = self._waiting.get(block=idle, timeout=0.5 if idle else None)
+            except queue.Empty:
+                return True
+            if seq is None:
+                return False
+            self._waiting_count.add(-1)
+            self._preparing = (seq, seq.prepare())
+        if self._preparing is not None:
+            self._prepare_one_chunk(*self._preparing)
+        return True
+
+    def _prepare_one_chunk(self, seq: Sequence, work: Iterator[Prepared | None]) -> None:
+        try:
+            result = next(work)
+        except Exception as exc:  # the request fails alone; the loop and the batch go on
+            self._preparing = None
+            seq.emit("error", exc if isinstance(exc, PrfaasError) else RuntimeError(str(exc)))
+            if not isinstance(exc, PrfaasError):
+                log.exception("preparing %s failed", seq.seq_id)
+            return
+        if result is None:
+            if seq.cancelled.is_set():
+                self._preparing = None
+                seq.emit("end", "cancelled")
+            return
+        self._preparing = None
+        cache, first, length, stages = result
+        seq.produced = 1
+        seq.emit("token", first, stages)
+        if first in seq.eos or seq.max_new <= 1 or seq.cancelled.is_set():
+            seq.emit("end", "stop" if first in seq.eos else "length")
+            return
+        self.batch.add(Row(seq.seq_id, length, first, seq.sampling, seq.step + 1), cache)
+        self._running[seq.seq_id] = seq
+
+    def _step(self) -> None:
+        for seq in list(self._running.values()):
+            if seq.cancelled.is_set():
+                self._finish(seq, "cancelled")
+        if not len(self.batch):
+            return
+        for seq_id, token in self.batch.step().items():
+            seq = self._running[seq_id]
+            seq.produced += 1
+            seq.emit("token", token, {})
+            if token in seq.eos:
+                self._finish(seq, "stop")
+            elif seq.produced >= seq.max_new:
+                self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.batch.remove(seq.seq_id)
+        del self._running[seq.seq_id]
+        seq.emit("end", reason)
