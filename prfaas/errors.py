@@ -1,4 +1,4 @@
-"""One exception tree for prfaas; every error carries the wire code of CONTRACTS.md.
+"""One exception tree for prfaas; every error carries the wire code of docs/contracts.md.
 
     PrfaasError                      code            HTTP  retryable
     ├── KVNotFound                   KV_NOT_FOUND     503   yes (re-prefill)
@@ -12,6 +12,7 @@
     ├── KVTooLarge                   KV_TOO_LARGE     413   no
     ├── KVStoreFull                  KV_STORE_FULL    503   yes (after back-off)
     ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
+    │   └── InstanceUnreachable      KV_UNAVAILABLE   503   yes  (an instance the router called, by id)
     ├── RateLimited                  RATE_LIMITED     429   yes (after Retry-After)
     ├── RequestTimeout               REQUEST_TIMEOUT  408   no   (an HTTP request head or body too slow to arrive)
     ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
@@ -110,6 +111,15 @@ class KVUnavailable(PrfaasError):
     code = "KV_UNAVAILABLE"
     http_status = 503
     retryable = True
+
+
+class InstanceUnreachable(KVUnavailable):
+    """An instance the router called could not be reached or dropped the connection mid-stream
+    (``prfaas.services.instance_client``); ``instance_id`` says which, so the router knows whom to replace."""
+
+    def __init__(self, message: str, instance_id: str) -> None:
+        super().__init__(message)
+        self.instance_id = instance_id
 
 
 class RateLimited(PrfaasError):

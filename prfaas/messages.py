@@ -4,28 +4,57 @@ KV itself travels on the binary data plane (``prfaas.transfer``). Each message v
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from prfaas import fields as check
 from prfaas.errors import InvalidRequest
+from prfaas.events import Stages
 
 T = TypeVar("T", bound="Message")
 
 
+# The messages' wire version: bumped with every field added to a message. A peer at a higher version may send
+# fields this one does not know (they are its optional additions, dropped here); from a peer at this version or
+# below, an unknown field is a mistake and is refused. So either side of a hop may be upgraded first.
+WIRE_VERSION = 2  # 2: GenerateRequest's first_token, first_text, kv_tokens
+WIRE_KEY = "wire"
+
+
 @dataclass(frozen=True)
 class Message:
+    """A JSON object on the wire, stamped with ``WIRE_VERSION``. ``from_json`` is strict: a field this version
+    does not know is refused (``InvalidRequest`` naming it) unless the sender is newer (see ``WIRE_VERSION``), a
+    missing required field too, and each message's ``__post_init__`` checks the types of its fields. A nested
+    message (``nested``) travels as its own JSON object, under its parent's version, and is rebuilt typed."""
+
+    nested: ClassVar[dict[str, type[Message]]] = {}
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), WIRE_KEY: WIRE_VERSION}
 
     @classmethod
-    def from_json(cls: type[T], data: Any) -> T:
+    def from_json(cls: type[T], data: Any, wire: int | None = None) -> T:
+        """``wire``: the sender's version where ``data`` is nested in a message that carries it."""
         if not isinstance(data, dict):
             raise InvalidRequest(f"{cls.__name__} must be a JSON object")
+        data = dict(data)
+        sender = check.integer(data.pop(WIRE_KEY, 0 if wire is None else wire), WIRE_KEY, 0, 1 << 16)
         names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown and sender <= WIRE_VERSION:
+            raise InvalidRequest(f"{cls.__name__} has fields this version does not know: {unknown}", unknown[0])
+        typed = {k: _nested(cls.nested[k], v, k, sender) if k in cls.nested else v
+                 for k, v in data.items() if k in names}
         try:
-            return cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
+            return cls(**typed)
+        except TypeError as exc:  # a required field is missing
             raise InvalidRequest(f"bad {cls.__name__}: {exc}") from exc
+
+
+def _nested(kind: type[Message], value: Any, name: str, wire: int) -> Message:
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{name}' must be a JSON object", name)
+    return kind.from_json(value, wire)
 
 
 # The one set of sampling rules: the OpenAI parser and the internal /prefill and /generate bodies all build a
@@ -108,10 +137,12 @@ class PrefillRequest(Message):
     """router → prefill: prefill these tokens into the blob ``kv_id``; push it to ``push_to`` (relay mode)
     or keep it in the prefill's own store (direct mode, ``push_to`` empty)."""
 
+    nested: ClassVar[dict[str, type[Message]]] = {"sampling": SamplingParams}
+
     request_id: str
     kv_id: str
     token_ids: list[int]
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     push_to: str = ""
     deadline_ms: int = 0
     format_version: int = 0  # blob format to write, negotiated by the router for its readers; 0: the current
@@ -123,40 +154,95 @@ class PrefillRequest(Message):
         for name in ("request_id", "kv_id", "push_to", "tenant", "kv_codec"):
             check.text(getattr(self, name), name)
         check.token_ids(self.token_ids, "token_ids")
-        self.sampling_params()
+        _check_sampling(self.sampling)
         check.integer(self.deadline_ms, "deadline_ms", 0, 1 << 62)
         check.integer(self.format_version, "format_version", 0, 1 << 16)
         check.number(self.kv_ttl_seconds, "kv_ttl_seconds", 0.0, float(1 << 32))
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_json(self.sampling)
-
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
-    """router → decode. With ``kv_id`` the KV is pulled from ``kv_address``; without, decode prefills locally."""
+    """router → decode. With ``kv_id`` the KV is pulled from ``kv_address``; without, decode prefills locally.
+    ``first_token`` (-1: not known), ``first_text`` and ``kv_tokens``: what a prefill on vLLM said at ``accepted``
+    (``prfaas.events.Accepted``); vLLM's decode streams that token at once and computes from the next one, with
+    the blob covering ``kv_tokens`` prompt tokens. prfaas's engine ignores them (its blob carries the token)."""
+
+    nested: ClassVar[dict[str, type[Message]]] = {"sampling": SamplingParams}
 
     request_id: str
     token_ids: list[int]
     max_tokens: int
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     kv_id: str = ""
     kv_address: str = ""
     deadline_ms: int = 0
     step_offset: int = 0  # tokens already streamed by an instance that died: sampling continues at this step
     ignore_eos: bool = False  # benchmarks: always generate max_tokens
+    first_token: int = -1
+    first_text: str = ""
+    kv_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "kv_id", "kv_address"):
+        for name in ("request_id", "kv_id", "kv_address", "first_text"):
             check.text(getattr(self, name), name)
+        check.integer(self.first_token, "first_token", -1, 1 << 31)
+        check.integer(self.kv_tokens, "kv_tokens", 0, MAX_TOKENS)
         check.token_ids(self.token_ids, "token_ids")
         check.integer(self.max_tokens, "max_tokens", 1, MAX_TOKENS)
-        self.sampling_params()
+        _check_sampling(self.sampling)
         check.strings(self.stop, "stop", MAX_STOP)
         check.integer(self.deadline_ms, "deadline_ms", 0, 1 << 62)
         check.integer(self.step_offset, "step_offset", 0, MAX_TOKENS)
         check.boolean(self.ignore_eos, "ignore_eos")
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams.from_json(self.sampling)
+
+def _check_sampling(value: Any) -> None:
+    if not isinstance(value, SamplingParams):
+        raise InvalidRequest("'sampling' must be a JSON object of sampling parameters", "sampling")
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """router → decode ``/tokenize``: a completion's ``prompt`` (text or token ids) or a chat's ``messages`` as the
+    client sent them; the decode instance's tokenizer and chat template make the token ids. Its wire form is those
+    OpenAI fields alone, which the decode instance checks itself."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"messages": self.messages} if self.messages is not None else {"prompt": self.prompt}
+
+
+@dataclass
+class ResponseMeta:
+    """The ``prfaas`` field of a router's response (docs/contracts.md), filled in by the router as the request runs:
+    ``route`` and ``reason`` at the routing decision, the pull's ``stages`` and ``ttft_ms`` at the first token,
+    the prefill's ``kv_bytes`` and stages at the end. ``to_json`` leaves out what was never known."""
+
+    tenant: str = ""
+    pool: str | None = None
+    model: str | None = None
+    route: str | None = None
+    reason: str | None = None
+    reason_code: str | None = None
+    decode_instance: str | None = None
+    retries: int = 0
+    fallback: bool = False
+    kv_id: str | None = None
+    prefill_instance: str | None = None
+    kv_bytes: int | None = None
+    transfer_ms: float | None = None
+    ttft_ms: float | None = None
+    stages: Stages | None = None
+    resumed_on: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if self.stages is not None:
+            out["stages"] = self.stages.to_json()
+        return out
+
+    def add_stages(self, stages: Stages) -> None:
+        self.stages = (self.stages or Stages()).merged(stages.rounded())

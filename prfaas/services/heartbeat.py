@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 import httpx
 
 from prfaas.messages import InstanceInfo
-from prfaas.security import runtime as tls_runtime
 
 log = logging.getLogger("prfaas.heartbeat")
 
@@ -24,8 +24,11 @@ class Heartbeat:
     (the router marks us unhealthy if it stops hearing from us, and we re-register when it comes back)."""
 
     def __init__(self, router_url: str, info: Callable[[], InstanceInfo], interval_s: float,
-                 on_refused: Callable[[str], None] | None = None, headers: dict[str, str] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None, headers: dict[str, str] | None = None,
+                 verify: ssl.SSLContext | bool = True) -> None:
+        """``verify``: the role's ``Security.http_verify()`` (its client certificate and CA under TLS)."""
         self.router_url = router_url.rstrip("/")
+        self.verify = verify
         self.headers = dict(headers or {})  # the registration credential: never logged
         self.info = info
         self.interval_s = interval_s
@@ -43,7 +46,7 @@ class Heartbeat:
             await asyncio.gather(self._task, return_exceptions=True)
         if deregister:
             try:
-                async with httpx.AsyncClient(timeout=2.0, verify=tls_runtime.http_verify(),
+                async with httpx.AsyncClient(timeout=2.0, verify=self.verify,
                                              headers=self.headers) as client:
                     await client.post(f"{self.router_url}/internal/deregister",
                                       json={"instance_id": self.info().instance_id})
@@ -52,7 +55,7 @@ class Heartbeat:
 
     async def _run(self) -> None:
         async with httpx.AsyncClient(timeout=max(1.0, self.interval_s * 2),
-                                     verify=tls_runtime.http_verify(), headers=self.headers) as client:
+                                     verify=self.verify, headers=self.headers) as client:
             while True:
                 try:
                     reply = await client.post(f"{self.router_url}/internal/heartbeat", json=self.info().to_json())

@@ -11,7 +11,6 @@ answers 500 for one raised outside the app's own handlers (a middleware). Reques
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import ssl as ssl_module
@@ -26,6 +25,8 @@ from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException
 
 from prfaas.errors import InvalidRequest, PrfaasError
+from prfaas.events import Event, Failed
+from prfaas.limits import WireLimits
 from prfaas.obs import metrics
 
 # OpenAI's `type` per status (it answers an unknown model or URL with a 404 of type invalid_request_error).
@@ -129,40 +130,44 @@ class ErrorBoundary:
                 await JSONResponse(error_body(500, _INTERNAL, None), status_code=500)(scope, receive, send)
 
 
-def ndjson(events: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
-    """A stream of events; one that fails unexpectedly ends with an ``error`` event (logged with its traceback)
-    instead of a cut connection, since its 200 status is already sent."""
+def ndjson(events: AsyncIterator[Event]) -> StreamingResponse:
+    """A stream of events (``prfaas.events``, one NDJSON line each); one that fails unexpectedly ends with a
+    ``Failed`` event (logged with its traceback) instead of a cut connection, since its 200 status is already
+    sent."""
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
-                yield (json.dumps(event) + "\n").encode()
+                yield event.encode()
         except Exception:
             log.exception("unexpected error in a stream")
-            yield (json.dumps({"event": "error", **PrfaasError(_INTERNAL).to_wire()}) + "\n").encode()
+            yield Failed.of(PrfaasError(_INTERNAL)).encode()
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
 
 async def serve(app: FastAPI, sock: socket.socket, on_started: Callable[[], Awaitable[None]] | None = None,
                 ssl: ssl_module.SSLContext | None = None,
-                server_class: type[uvicorn.Server] = uvicorn.Server) -> None:
+                server_class: type[uvicorn.Server] = uvicorn.Server, limits: WireLimits | None = None) -> None:
     """Run ``app`` on ``sock`` until SIGINT/SIGTERM; uvicorn drains open requests before lifespan shutdown.
     With ``ssl`` it serves TLS only (``prfaas.security.asgi.tls_protocol``: a plaintext peer is refused before
     any request is read, each refusal goes to ``app.state.tls_refused``) and records each peer's certificate for
     ``prfaas.security.asgi.RoleGuard``. A request head or body slower than the configured read timeouts is
-    answered 408 and its connection closed (``prfaas.security.readtimeout``)."""
+    answered 408 and its connection closed (``prfaas.security.readtimeout``). ``limits`` (default: the app's,
+    ``app.state.limits``, else the defaults) give those timeouts and the largest request head."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    from prfaas.security import limits
+    from prfaas.security.guards import limits_of
     from prfaas.security.readtimeout import timed
+
+    limits = limits or limits_of(app)
 
     protocol: type[H11Protocol] = H11Protocol
     if ssl is not None:
         from prfaas.security.asgi import tls_protocol
 
         protocol = tls_protocol(ssl, getattr(app.state, "tls_refused", None))
-    extra: dict[str, Any] = {"http": timed(protocol, limits.current()),
-                             "h11_max_incomplete_event_size": limits.current().max_header_bytes}
+    extra: dict[str, Any] = {"http": timed(protocol, limits),
+                             "h11_max_incomplete_event_size": limits.max_header_bytes}
     config = uvicorn.Config(ErrorBoundary(app), log_level="warning", lifespan="on", timeout_graceful_shutdown=10,
                             **extra)
     server = server_class(config)  # prfaas.services.drain: SIGTERM drains an instance

@@ -27,7 +27,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 
 from prfaas.errors import InvalidRequest
-from prfaas.security import limits
+from prfaas.security.guards import limits_of
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -40,7 +40,7 @@ async def read(request: Request) -> Any:
         raw = await request.body()
     except ClientDisconnect as exc:  # the peer left (or the body timed out): the answer reaches nobody
         raise InvalidRequest("the connection closed before the whole body arrived") from exc
-    return parse(raw, limits.current().max_json_depth)
+    return parse(raw, limits_of(request.app).max_json_depth)
 
 
 async def read_object(request: Request) -> dict[str, Any]:

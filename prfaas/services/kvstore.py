@@ -17,6 +17,7 @@ from typing import Any
 from prfaas.audit import AuditLog
 from prfaas.config import Config
 from prfaas.obs import metrics
+from prfaas.security.runtime import PLAINTEXT, Security
 from prfaas.store import AccessRecord, BlobStore, DeletionRecord, FrameBackend, MemoryBackend, accessing
 from prfaas.store.sealed import SealedBackend, load_master_key
 from prfaas.tenancy import Tenants, metering
@@ -43,21 +44,20 @@ class StoreRuntime:
                               budget_bytes=config.store_budget_bytes, datacenter=config.datacenter)
         self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._deleted,
                                backend=backend, on_access=self._accessed, owner=instance_id,
-                               max_ttl_s=longest_ttl(config))
+                               max_ttl_s=longest_ttl(config), limits=config.limits)
         if self.audit:
             settled = self.audit.settle({b.kv_id for b in self.store.live()}, config.kv_ttl_seconds)
             if settled:
                 log.warning("recorded the end of %d blobs a previous store process never recorded", settled)
         metrics.STORE_BUDGET_BYTES.set(config.store_budget_bytes)
 
-    def server(self, host: str, port: int) -> TransferServer:
-        """The data-plane server; with TLS configured (``prfaas.security.runtime``) it is mutual TLS 1.3 and each
-        request is authorised by the peer's role, refusals recorded in the audit log."""
-        from prfaas.security import runtime
+    def server(self, host: str, port: int, security: Security = PLAINTEXT) -> TransferServer:
+        """The data-plane server; with the role's TLS (``security``) it is mutual TLS 1.3 and each request is
+        authorised by the peer's role, refusals recorded in the audit log."""
         from prfaas.security.dataplane import DataPlaneGuard
 
-        ssl = runtime.server_ssl()
-        guard = DataPlaneGuard(runtime.required(), self._accessed) if ssl is not None else None
+        ssl = security.server_ssl()
+        guard = DataPlaneGuard(security.required(), self._accessed) if ssl is not None else None
         return IdentifiedTransferServer(self.store, host=host, port=port, ssl=ssl, authorize=guard,
                                         on_tls_refused=guard.tls_refused if guard else None)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from prfaas import fields as check
 from prfaas.errors import InvalidRequest
-from prfaas.messages import MAX_STOP, MAX_TOKENS, SEED_BITS, SamplingParams
+from prfaas.messages import MAX_STOP, MAX_TOKENS, SEED_BITS, ResponseMeta, SamplingParams, TokenizeRequest
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -29,8 +29,8 @@ class CompletionRequest:
     prompt: str | list[int] | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
 
-    def tokenize_body(self) -> dict[str, Any]:
-        return {"messages": self.messages} if self.chat else {"prompt": self.prompt}
+    def tokenize_request(self) -> TokenizeRequest:
+        return TokenizeRequest(messages=self.messages) if self.chat else TokenizeRequest(prompt=self.prompt)
 
 
 # Accepted by OpenAI but not served here: refused by name rather than silently ignored (a client that asks for
@@ -149,14 +149,15 @@ def new_id(chat: bool) -> str:
 
 
 def response(req: CompletionRequest, rid: str, model: str, text: str, finish: str, usage: dict[str, int],
-             extension: dict[str, Any]) -> dict[str, Any]:
+             meta: ResponseMeta) -> dict[str, Any]:
+    """A whole response; ``meta`` becomes its ``prfaas`` field."""
     if req.chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "finish_reason": finish, "logprobs": None}
     else:
         choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     return {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage, "prfaas": extension}
+            "model": model, "choices": [choice], "usage": usage, "prfaas": meta.to_json()}
 
 
 def chunk(req: CompletionRequest, rid: str, model: str, text: str | None, finish: str | None,

@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prfaas.errors import KVIncompatible, KVUnauthorized, ModelNotFound
 from prfaas.kv import Fingerprint
@@ -100,7 +100,7 @@ class Registry:
         entry = self._entries.get(instance_id)
         if entry is None:
             return False
-        entry.info = InstanceInfo.from_json({**entry.info.to_json(), "draining": True})
+        entry.info = replace(entry.info, draining=True)
         self._publish()
         return True
 

@@ -26,22 +26,25 @@ from prfaas.errors import (
     ContextLengthExceeded,
     InvalidRequest,
     KVIncompatible,
+    KVTruncated,
     KVUnauthorized,
     KVUnavailable,
     ModelNotFound,
     PrfaasError,
     RateLimited,
 )
+from prfaas.events import Done
 from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
+from prfaas.ratelimit import TokenBucket
 from prfaas.scheduler import Scheduler
-from prfaas.scheduler.ratelimit import TokenBucket
 from prfaas.security import apikeys, guards, registration
-from prfaas.security import runtime as tls_runtime
 from prfaas.security.asgi import peer_of
 from prfaas.security.identity import Peer
+from prfaas.security.runtime import PLAINTEXT, Security
 from prfaas.services import admin_routes, drain, http, jsonbody, openai_api, pool_weights
-from prfaas.services.dispatch import Dispatcher, Job, refusal
+from prfaas.services.dispatch import Dispatcher, Job, Streamed
+from prfaas.services.instance_client import HttpInstanceClient, InstanceClient
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
 from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, metering, redact
@@ -50,16 +53,21 @@ log = logging.getLogger("prfaas.router")
 
 
 class Router:
-    def __init__(self, config: Config, mode: str = "relay") -> None:
+    def __init__(self, config: Config, mode: str = "relay", instances: InstanceClient | None = None,
+                 security: Security = PLAINTEXT) -> None:
+        """``instances``: how requests reach the instances; HTTP (``HttpInstanceClient``) unless given.
+        ``security``: the router's TLS (``Security.of(config, "router")``), plaintext unless given."""
         if mode not in ("relay", "direct"):
             raise InvalidRequest("mode must be relay or direct")
         self.config = config
         self.mode = mode
+        self.security = security
         self.registry = Registry(config.heartbeat_timeout_ms / 1e3,
                                  pools={**config.pools, **pool_weights.load(config.pool_weights_file)})
         self.scheduler = Scheduler(config, mode)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=tls_runtime.http_verify())
-        self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.client)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=security.http_verify())
+        self.instances = instances or HttpInstanceClient(self.client, security.client_ssl())
+        self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.instances)
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
         self.tenants = Tenants.from_config(config.tenants, [k.tenant for k in apikeys.parse_keys(config.api_keys)])
         self.meter = metering.Meter(metering.router_log_path(config.audit_log), config.datacenter)
@@ -105,9 +113,6 @@ class Router:
         except PrfaasError as exc:  # per pool, so a rollout can tell a failing canary from the rest
             metrics.POOL_REQUESTS.labels(pool, exc.code).inc()
             raise
-        except httpx.TransportError:
-            metrics.POOL_REQUESTS.labels(pool, KVUnavailable.code).inc()
-            raise
 
     async def _placed(self, req: openai_api.CompletionRequest, chat: bool, tenant: TenantPolicy, pool: str) -> Any:
         self._admit(tenant)
@@ -118,9 +123,9 @@ class Router:
             raise KVUnavailable(f"no healthy decode instance{where}")
         job = await self._job(req, tokenizer)
         job.pool, job.tenant = pool, tenant
-        job.extension["tenant"] = tenant.name
+        job.meta.tenant = tenant.name
         if pool:
-            job.extension.update(pool=pool, model=self.registry.models[pool].model)
+            job.meta.pool, job.meta.model = pool, self.registry.models[pool].model
         decode = await self.dispatcher.acquire_decode(job)
         rid = openai_api.new_id(chat)
         events = self.dispatcher.run(job, decode)
@@ -142,10 +147,7 @@ class Router:
             raise
 
     async def _job(self, req: openai_api.CompletionRequest, decode: InstanceInfo) -> Job:
-        reply = await self.client.post(f"{decode.url}/tokenize", json=req.tokenize_body())
-        if reply.status_code != 200:
-            raise refusal(reply)  # its code and param as the decode instance gave them
-        ids = reply.json()["token_ids"]
+        ids = await self.instances.tokenize(decode, req.tokenize_request())
         room = decode.max_seq_len - len(ids)
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
             raise ContextLengthExceeded(
@@ -157,35 +159,35 @@ class Router:
         return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop, ignore_eos=req.ignore_eos)
 
     async def _collect(self, req: openai_api.CompletionRequest, rid: str, job: Job,
-                       events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
-        parts, done = [], {}
+                       events: AsyncIterator[Streamed]) -> dict[str, Any]:
+        parts: list[str] = []
         async for event in events:
-            parts.append(event.get("text", ""))
-            if event["event"] == "done":
-                done = event
-        self._observe(job, "ok")
-        done["completion_tokens"] = len(job.generated)
-        return openai_api.response(req, rid, self.model_name, "".join(parts), done["finish_reason"],
-                                   self._usage(job, done), job.extension)
+            parts.append(event.text)
+            if isinstance(event, Done):
+                self._observe(job, "ok")
+                return openai_api.response(req, rid, self.model_name, "".join(parts), event.finish_reason,
+                                           self._usage(job), job.meta)
+        raise KVTruncated("the stream ended without its 'done' event")  # Dispatcher.run ends with one
 
-    async def _sse(self, req: openai_api.CompletionRequest, rid: str, job: Job, first: dict[str, Any],
-                   events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    async def _sse(self, req: openai_api.CompletionRequest, rid: str, job: Job, first: Streamed,
+                   events: AsyncIterator[Streamed]) -> AsyncIterator[bytes]:
         status = "cancelled"  # unless it ends with "done" or a prfaas error: the client left, or shutdown
         try:
             event, is_first = first, True
             while True:
-                if event["event"] == "done":
-                    if event.get("text"):
-                        yield _sse(openai_api.chunk(req, rid, self.model_name, event["text"], None))
-                    last = openai_api.chunk(req, rid, self.model_name, None, event["finish_reason"])
+                if isinstance(event, Done):
+                    if event.text:
+                        yield _sse(openai_api.chunk(req, rid, self.model_name, event.text, None))
+                    last = openai_api.chunk(req, rid, self.model_name, None, event.finish_reason)
                     if req.include_usage:
                         yield _sse(last)
-                        last = {**last, "choices": [], "usage": self._usage(job, event)}
-                    yield _sse({**last, "prfaas": job.extension})
+                        last = {**last, "choices": [], "usage": self._usage(job)}
+                    yield _sse({**last, "prfaas": job.meta.to_json()})
                     status = "ok"
                     break
-                if event.get("text") or is_first:
-                    yield _sse(openai_api.chunk(req, rid, self.model_name, event.get("text"), None, first=is_first))
+                if event.text or is_first:
+                    yield _sse(openai_api.chunk(req, rid, self.model_name, event.text or None, None,
+                                                first=is_first))
                     is_first = False
                 event = await anext(events)
         except PrfaasError as exc:
@@ -197,14 +199,14 @@ class Router:
         yield b"data: [DONE]\n\n"
 
     @staticmethod
-    def _usage(job: Job, done: dict[str, Any]) -> dict[str, int]:
+    def _usage(job: Job) -> dict[str, int]:
         n = len(job.generated)
         return {"prompt_tokens": len(job.token_ids), "completion_tokens": n, "total_tokens": len(job.token_ids) + n}
 
     def _observe(self, job: Job, outcome: str) -> None:
         """A request that reached decode ended: ``outcome`` is "ok", the error code, or "cancelled" (a stream that
         stopped without either)."""
-        route, status = job.extension.get("route", "local"), "ok" if outcome == "ok" else "error"
+        route, status = job.meta.route or "local", "ok" if outcome == "ok" else "error"
         metrics.REQUESTS.labels(route=route, status=status).inc()
         metrics.POOL_REQUESTS.labels(job.pool, outcome).inc()
         metrics.LINK_DEGRADED.set(1 if self.scheduler.link.health().degraded else 0)
@@ -213,11 +215,11 @@ class Router:
             if job.last_token_at is not None and len(job.generated) > 1:
                 metrics.TPOT.observe((job.last_token_at - job.first_token_at) / (len(job.generated) - 1))
         metrics.E2E.labels(route=route).observe(time.perf_counter() - job.arrived)
-        self.signals.record(len(job.token_ids), len(job.generated), route, int(job.extension.get("kv_bytes", 0)))
+        self.signals.record(len(job.token_ids), len(job.generated), route, job.meta.kv_bytes or 0)
         crossed = route == "remote" and job.prefill_dc != job.decode_dc
         self.meter.record(metering.RequestUsage(
             job.tenant.name, job.prefill_dc, job.decode_dc, route, status, len(job.token_ids), len(job.generated),
-            int(job.extension.get("kv_bytes", 0)) if crossed else 0))
+            job.meta.kv_bytes or 0 if crossed else 0))
 
     async def stores(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -252,12 +254,6 @@ def create_app(router: Router) -> FastAPI:
     http.install_metrics(app, metrics.served("router"))
     admin_routes.install(app, router)
 
-    @app.exception_handler(httpx.TransportError)
-    async def _unreachable(request: Request, exc: httpx.TransportError) -> JSONResponse:
-        metrics.ERRORS.labels(code=KVUnavailable.code).inc()
-        error = KVUnavailable(f"an instance could not be reached: {exc!r}")
-        return http.error_response(error)
-
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
         return await router.complete(await jsonbody.read(request), chat=False, tenant=_tenant(request))
@@ -283,8 +279,8 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
                             status_code=200 if router.ready() else 503)
 
-    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys), tls=tls_runtime.enabled())
-    if registrar.keys and not registrar.strict and not tls_runtime.enabled():
+    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys), tls=router.security.enabled())
+    if registrar.keys and not registrar.strict and not router.security.enabled():
         log.warning("no API key carries `roles`: any valid key may register instances of any role; give the "
                     "instances' keys roles (docs/security.md)")
 
@@ -320,7 +316,8 @@ def create_app(router: Router) -> FastAPI:
     async def kv() -> dict[str, Any]:
         return await router.stores()
 
-    guards.protect_router(app, router.config)  # API keys on /v1 and /admin; roles on /internal with TLS
+    # API keys on /v1 and /admin; roles on /internal with TLS
+    guards.protect_router(app, router.config, router.security)
     return app
 
 
@@ -343,8 +340,7 @@ def run_router(config: Config, host: str, port: int, mode: str, insecure: bool =
     nor TLS are configured, unless ``insecure``."""
     http.setup_logging("router")
     apikeys.check_exposure(host, config, insecure)
-    tls_runtime.configure(config, "router")
-    router = Router(config, mode)
+    router = Router(config, mode, security=Security.of(config, "router"))
     app = create_app(router)  # SIGTERM drains the router (app.state.drain, prfaas.services.drain.attach_router)
-    asyncio.run(http.serve(app, http.bind(host, port), ssl=tls_runtime.server_ssl(client_certs=False),
+    asyncio.run(http.serve(app, http.bind(host, port), ssl=router.security.server_ssl(client_certs=False),
                            server_class=drain.server_class(app.state.drain)))

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from prfaas.errors import KVTimeout, PrfaasError
-from prfaas.security import runtime as tls_runtime
 from prfaas.store import BlobStore, accessing
 from prfaas.transfer import push
 
@@ -66,7 +65,7 @@ class StoreSink:
 
 class PushSink:
     """Relay mode: frames stream to the relay on one connection while the forward pass goes on. ``tls`` None:
-    the process's own TLS settings (``prfaas.security.runtime``), plaintext when there are none.
+    the role's client TLS context, plaintext when it is None.
 
     Bounded: at most ``max_queued_bytes`` wait for the connection (one frame always may, whatever its size).
     ``hand_over`` blocks the engine thread while the queue is full — back-pressure onto the forward pass — for at
@@ -86,7 +85,7 @@ class PushSink:
         self._queue: asyncio.Queue[bytes] = asyncio.Queue()  # bounded by _queued, which every put counts
         self._created: asyncio.Future[None] = self._loop.create_future()
         self._add(header)
-        self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls or tls_runtime.client_ssl(),
+        self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls,
                                               timeout_s=timeout_s, deadline_s=deadline_s, tenant=tenant,
                                               ttl_s=ttl_s, on_created=self._on_created))
         self._task.add_done_callback(lambda _: self._wake(ended=True))

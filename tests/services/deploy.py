@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -97,15 +97,45 @@ def _healthy(url: str) -> bool:
 
 
 def line_saying(proc: Any, text: str, timeout_s: float) -> str:
-    """The first line of ``prfaas up``'s stdout (its supervisor's decisions) holding ``text``."""
-    deadline, seen = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            line = proc.stdout.readline()
-            seen.append(line)
-            if text in line:
-                return str(line)
-    raise AssertionError(f"prfaas up never said {text!r} in {timeout_s} s: {seen}")
+    """The first line of ``prfaas up``'s stdout (its supervisor's decisions) holding ``text``, among the lines not
+    looked at yet."""
+    lines = getattr(proc, "prfaas_lines", None)
+    if lines is None:
+        lines = proc.prfaas_lines = _Lines(proc.stdout)
+    return lines.wait_for(text, timeout_s)
+
+
+class _Lines:
+    """A pipe's lines, read by a thread of their own. Waiting with ``select`` on the pipe misses a line that an
+    earlier ``readline`` already pulled into the text buffer with the one before it (the supervisor prints a
+    relay's restart and, later, a prefill's exit; both wait in the pipe until a test reads)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: list[str] = []
+        self._seen = 0
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(stream,), name="prfaas-up-stdout", daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float) -> str:
+        deadline, seen = time.monotonic() + timeout_s, []
+        with self._changed:
+            while True:
+                while self._seen < len(self._lines):
+                    line = self._lines[self._seen]
+                    self._seen += 1
+                    seen.append(line)
+                    if text in line:
+                        return line
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(f"prfaas up never said {text!r} in {timeout_s} s: {seen}")
+                self._changed.wait(left)
 
 
 def tls_dir(proc: subprocess.Popen) -> Path:

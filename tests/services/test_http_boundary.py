@@ -14,6 +14,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from prfaas.events import Event, Token
 from prfaas.services import http
 
 
@@ -39,8 +40,8 @@ def buggy_app() -> FastAPI:
 
     @app.get("/stream")
     async def stream() -> Any:
-        async def events() -> AsyncIterator[dict[str, Any]]:
-            yield {"event": "token", "text": "a"}
+        async def events() -> AsyncIterator[Event]:
+            yield Token(token=1, text="a")
             raise ValueError("a stream bug")
 
         return http.ndjson(events())

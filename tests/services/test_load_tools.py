@@ -1,4 +1,4 @@
-"""The load generators users already run against vLLM, run as the README's benchmarking section shows them against
+"""The load generators users already run against vLLM, run as docs/api.md's load-generator section shows them against
 a real ``prfaas up``: each finds the served model's tokenizer through ``/v1/models`` (``root``) with no
 ``--tokenizer``, sends a few prompts, and reports TTFT and inter-token latency with no failed request.
 

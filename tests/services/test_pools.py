@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVIncompatible
-from prfaas.kv import BlobWriter, Fingerprint, KVState
+from prfaas.kv import BlobWriter, Fingerprint, KVState, decode_state
 from prfaas.kv import fingerprint as fp_module
 from prfaas.kv import format as format_module
 from prfaas.messages import InstanceInfo
@@ -82,13 +82,13 @@ def test_mixed_format_versions_are_read(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setattr(module, "FORMAT_VERSION", 2)
         monkeypatch.setattr(module, "SUPPORTED_VERSIONS", frozenset({1, 2}))
     assert fp_module.negotiate_version([1, 2]) == 1 and fp_module.negotiate_version([2]) == 2
-    assert KVState.from_bytes(old_blob).seq_len == state.seq_len  # a new reader reads the previous format
+    assert decode_state(old_blob).seq_len == state.seq_len  # a new reader reads the previous format
     new_blob = _blob(state)
     assert new_blob[4:6] != old_blob[4:6]  # the version field of the header differs
-    assert KVState.from_bytes(new_blob).seq_len == state.seq_len
+    assert decode_state(new_blob).seq_len == state.seq_len
     assert _blob(state, 1)[:6] == old_blob[:6]  # negotiated down: written as version 1
     with pytest.raises(KVIncompatible):
         fp_module.negotiate_version([4])  # a reader two versions ahead
     monkeypatch.setattr(format_module, "SUPPORTED_VERSIONS", frozenset({1}))  # an old reader
     with pytest.raises(KVBadFormat, match="unknown KV format version 2"):
-        KVState.from_bytes(new_blob)
+        decode_state(new_blob)

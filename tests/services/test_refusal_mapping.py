@@ -1,4 +1,4 @@
-"""How the router reads an instance's non-200 answer (``dispatch.refusal``) and the heartbeat a refusal's body:
+"""How the router reads an instance's non-200 answer (``instance_client.refusal``) and the heartbeat a refusal's body:
 only a 400/422 without a code is the request's fault; any other codeless answer is the instance's, and no body,
 however odd, stops the heartbeat."""
 
@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVUnauthorized, KVUnavailable, ModelNotFound
-from prfaas.services.dispatch import refusal
 from prfaas.services.heartbeat import _message
+from prfaas.services.instance_client import refusal
 
 URL = "http://127.0.0.1:1/generate"
 
