@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench fuzz clean vllm loadtools vllm-bench
+.PHONY: demo test lint typecheck unit bench fuzz clean vllm loadtools vllm-bench results
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ test: lint unit
 bench: $(STAMP)
 	$(BIN)/python benchmarks/kv_codecs.py
 
+# docs/benchmarks.md from benchmarks/results/*.json (tests/bench/test_results.py fails when it is stale).
+results: $(STAMP)
+	$(BIN)/python scripts/results.py
+
 # Coverage-guided fuzzing of the wire parsers for FUZZ_SECONDS (atheris is installed here if missing; the bounded
 # hypothesis fuzzers run in `make test` anyway).
 FUZZ_SECONDS ?= 60
@@ -53,7 +57,7 @@ vllm-bench: vllm $(STAMP)
 	bash scripts/install-vllm.sh --nixl $(VLLM_VENV)
 	$(BIN)/python benchmarks/vllm_pd.py --repeats 2 --min-requests 2 --max-tokens 32 --level-timeout-s 150
 
-# The load generators of the README's benchmarking section, AIPerf and GuideLLM, each in its own pinned virtualenv
+# The load generators of docs/api.md's load-generator section, AIPerf and GuideLLM, each in its own pinned virtualenv
 # (1.2 and 1.5 GB, minutes once). Not part of `make test`: tests/services/test_load_tools.py skips without them.
 loadtools: .venv-aiperf/.installed .venv-guidellm/.installed
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from prfaas.bench.provenance import provenance
 from prfaas.lab import Lab, LinkSettings
 from prfaas.services.up import Deployment, UpOptions
 
@@ -141,6 +142,7 @@ def main() -> int:
                 print(f"   exit {result['exit']}, {end - start:.0f} s", file=sys.stderr, flush=True)
     finally:
         loads.stop()
+        summary["provenance"] = provenance()
         summary["wall_s"] = round(time.monotonic() - began, 1)
         summary["loadavg_1m"] = loads.between(0, float("inf"))
         summary["loadavg_samples"] = loads.samples

@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.provenance import provenance
 from tests.services.deploy import deployment, descendants, free_port
 
 PROMPT, OUTPUT = 256, 64
@@ -215,9 +216,9 @@ def main() -> None:
         if model == "smollm2-135m" and not args.no_vllm:
             skipped = why
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"dtype": args.dtype, "prompt": PROMPT, "output": OUTPUT,
-                                          "threads": args.threads or os.cpu_count(), "vllm_skipped": skipped,
-                                          "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"provenance": provenance(), "dtype": args.dtype, "prompt": PROMPT,
+                                          "output": OUTPUT, "threads": args.threads or os.cpu_count(),
+                                          "vllm_skipped": skipped, "rows": rows}, indent=2))
     table = Table(title=f"decode throughput ({PROMPT}-token prompts, {OUTPUT} output tokens, {args.dtype})")
     for col in ("model", "system", "concurrency", "output tok/s", "TPOT P50 ms", "TPOT P99 ms", "TTFT P50 ms",
                 "CPU s / 1k tok", "load avg"):

@@ -20,9 +20,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.bench.provenance import provenance
 from prfaas.demo import chat_ids
 from prfaas.engine import load_engine
-from prfaas.kv import CODECS, KVState
+from prfaas.kv import CODECS, KVState, decode_state, encode_state
 
 MODELS = ("smollm2-135m", "tiny-qwen3-next", "tiny-bamba")
 PROMPTS = [
@@ -45,7 +46,7 @@ def kv_sizes(lengths: list[int]) -> list[dict]:
             row = {"model": name, "seq_len": n, "prefill_s": round(out.seconds, 3),
                    "fixed_bytes": out.kv.fixed_bytes}
             for codec in CODECS:
-                row[codec] = len(out.kv.to_bytes(codec=codec))
+                row[codec] = len(encode_state(out.kv, codec=codec))
             rows.append(row)
             print(f"  sizes {name} {n}: none={row['none']} bytes, prefill {out.seconds:.2f} s", flush=True)
     return rows
@@ -57,9 +58,9 @@ def codec_speed(kv: KVState, repeats: int) -> list[dict]:
         enc, dec = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            blob = kv.to_bytes(codec=codec)
+            blob = encode_state(kv, codec=codec)
             t1 = time.perf_counter()
-            KVState.from_bytes(blob)
+            decode_state(blob)
             dec.append(time.perf_counter() - t1)
             enc.append(t1 - t0)
         rows.append({"codec": codec, "raw_bytes": kv.nbytes, "blob_bytes": len(blob),
@@ -76,7 +77,7 @@ def codec_quality(steps: int) -> list[dict]:
         reference = [out.next_token, *engine.decode(out.kv, out.next_token, steps - 1)]
         exact = torch.log_softmax(engine.continuation_logits(out.kv, reference), dim=-1)
         for codec, s in stats.items():
-            lossy_kv = KVState.from_bytes(out.kv.to_bytes(codec=codec))
+            lossy_kv = decode_state(encode_state(out.kv, codec=codec))
             lossy = torch.log_softmax(engine.continuation_logits(lossy_kv, reference), dim=-1)
             s["agree"] += int((lossy.argmax(-1) == exact.argmax(-1)).sum())
             s["steps"] += len(reference)
@@ -125,6 +126,7 @@ def main() -> None:
         "speed": codec_speed(kv, repeats=2 if args.quick else 3),
         "quality": codec_quality(steps=8 if args.quick else 32),
     }
+    result["provenance"] = provenance()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print_tables(result)

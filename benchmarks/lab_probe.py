@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from prfaas.bench.provenance import provenance
 from prfaas.lab import Lab, LinkSettings, Topology
 
 CASES = [
@@ -55,7 +56,7 @@ def main() -> None:
                   f"p99 {got['rtt_p99_ms']:6.2f} ms  jitter {got['jitter_ms']:5.2f} ms  loss {100 * got['loss']:5.2f} %"
                   f"  MTU {got['mtu']}", flush=True)
     out = Path(__file__).resolve().parent / "results" / "lab_probe.json"
-    out.write_text(json.dumps(rows, indent=1))
+    out.write_text(json.dumps({"provenance": provenance(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.bench.provenance import provenance
 from prfaas.engine.loader import native_dtype
 
 HERE = Path(__file__).resolve().parent
@@ -42,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rates = {name: round(gflops(args.n, getattr(torch, name), args.seconds), 2) for name in ("float32", "bfloat16")}
-    result = {"n": args.n, "threads": args.threads, "gflops": rates, "auto": native_dtype()}
+    result = {"provenance": provenance(), "n": args.n, "threads": args.threads, "gflops": rates, "auto": native_dtype()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     table = Table(title=f"{args.n}×{args.n} matmul, {args.threads} threads; --dtype auto picks {result['auto']}")

@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.provenance import provenance
 from prfaas.plan.profile import SpeedProfile
 from prfaas.scheduler.speed import PrefillSpeed
 
@@ -131,7 +132,8 @@ def main() -> None:
             r = simulate(setup, threshold, base * load, prompts, random.Random(2))
             rows.append({"load": load, "arrival_rps": base * load, "policy": name, "threshold": threshold, **r})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"setup": vars(args), "all_remote_capacity_rps": base, "rows": rows},
+    Path(args.out).write_text(json.dumps({"provenance": provenance(), "setup": vars(args),
+                                          "all_remote_capacity_rps": base, "rows": rows},
                                          indent=2, default=str))
     table = Table(title=f"simulated cluster: {args.prefill} remote prefill, {args.decode} decode, "
                         f"{args.bandwidth_gbps:g} Gbps, local prefill {args.local_slowdown:g}x slower")

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.provenance import provenance
 from tests.services.deploy import deployment
 
 MAX_TOKENS = 16
@@ -151,7 +152,8 @@ def main() -> None:
     configs = [("monolithic", "direct", big), ("relay", "relay", 0), ("direct", "direct", 0)]
     rows += bench_deployments(configs, args.model, args.dtype, lengths, args.repeats)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"provenance": provenance(), "model": args.model, "dtype": args.dtype,
+                                          "rows": rows}, indent=2))
     print_table(rows)
     print(f"wrote {args.out}")
 

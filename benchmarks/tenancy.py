@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.bench.provenance import provenance
 from prfaas.config import from_dict
 from prfaas.kv import BlobWriter, KVState, LayerState
 from prfaas.kv.fingerprint import Fingerprint
@@ -145,6 +146,7 @@ def main() -> None:
         "aes_gcm_one_core_gbps": {"encrypt": round(enc, 3), "decrypt": round(dec, 3)},
         "request_path_us": {k: round(v, 2) for k, v in request_path(args.calls).items()},
     }
+    result["provenance"] = provenance()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     console = Console()

@@ -29,10 +29,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from prfaas.bench.provenance import provenance
 from prfaas.kv import BlobReader, BlobWriter, Fingerprint, KVState, LayerState, new_kv_id
 from prfaas.kv.format import CHUNK_HEAD_SIZE
 from prfaas.store import BlobStore
-from prfaas.transfer import TransferServer, pull, push, release
+from prfaas.transfer import TransferContext, TransferServer, pull, push, release
 from prfaas.transfer import protocol as p
 from prfaas.transfer.conn import close, connect
 
@@ -109,9 +110,10 @@ async def measure(address: str, kv_id: str, frames: list[bytes], state: KVState,
         start = time.perf_counter()
         await pull_frames(address, kv_id)
         times["pull frames"].append(time.perf_counter() - start)
+    context = TransferContext()  # one role's pulls: arenas reused between them
     for _ in range(repeat):
         start = time.perf_counter()
-        got = await pull(address, kv_id, BlobReader(), timeout_s=10)
+        got = await pull(address, kv_id, BlobReader(), timeout_s=10, context=context)
         times["pull state"].append(time.perf_counter() - start)
         assert got.layers[-1].tensors["values"].tobytes() == state.layers[-1].tensors["values"].tobytes()
         del got
@@ -146,8 +148,8 @@ def main() -> None:
     rows = [{"op": op, "payload_bytes": payload, "chunks": len(frames) - 2, "chunk_kb": args.chunk_kb,
              "best_s": min(t), "median_s": statistics.median(t), "best_gbytes_s": payload / min(t) / 1e9,
              "median_gbytes_s": payload / statistics.median(t) / 1e9, "runs_s": t} for op, t in times.items()]
-    result = {"host": platform.node(), "cpus": os.cpu_count(), "loadavg_1m": os.getloadavg()[0],
-              "python": platform.python_version(),
+    result = {"provenance": provenance(), "host": platform.node(), "cpus": os.cpu_count(),
+              "loadavg_1m": os.getloadavg()[0], "python": platform.python_version(),
               "tls": False, "streams": 1, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -277,6 +277,7 @@ def main() -> None:
     reason = netns.available()
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(ROOT))
+        from prfaas.bench.provenance import provenance
         from prfaas.bench.transfer import self_signed
 
         certs = self_signed(Path(tmp), ("127.0.0.1", netns.ADDR["b"]))
@@ -295,8 +296,8 @@ def main() -> None:
             with netns.veth_pair(rate, "256kb" if rate == "1gbit" else "4mb") as pair:
                 rows += measure_path(path, pair.cmd, netns.ADDR["b"], size, args.repeat, certs)
     cost = tls_cost(rows)
-    out = {"rows": rows, "tls_cost": cost, "skipped": skipped, "size": args.size, "size_1g": args.size_1g,
-           "repeat": args.repeat, "pulls_per_run": PULLS, "loadavg_by_path": load,
+    out = {"provenance": provenance(), "rows": rows, "tls_cost": cost, "skipped": skipped, "size": args.size,
+           "size_1g": args.size_1g, "repeat": args.repeat, "pulls_per_run": PULLS, "loadavg_by_path": load,
            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
                     "loadavg": os.getloadavg()}, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.audit import verify
 from prfaas.audit.chain import read_entries
+from prfaas.bench.provenance import provenance
 from tests.services.test_upgrade import Served, UpgradeRun, greedy_check, mixed_pairs, run_upgrade
 
 
@@ -119,6 +120,7 @@ def main() -> None:
         run = run_upgrade(Path(tmp), clients=args.clients, hold_s=args.hold, steps=args.steps,
                           before_s=args.hold, after_s=args.hold)
         result = summarise(run, args.clients, args.hold, args.steps)
+    result["provenance"] = provenance()
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]  # 2 cores shared with other work
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

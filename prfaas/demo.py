@@ -17,6 +17,7 @@ from prfaas import terminal
 def run_demo(model: str, prompt: str, codec: str, max_new_tokens: int) -> None:
     from prfaas.engine import load_engine
     from prfaas.engine.worker import DecodeWorker
+    from prfaas.kv import encode_state
 
     console = terminal.console()
     console.rule("[bold]prfaas demo: prefill here, decode in another process")
@@ -29,7 +30,7 @@ def run_demo(model: str, prompt: str, codec: str, max_new_tokens: int) -> None:
         ids = chat_ids(engine, prompt)
         out = engine.prefill(ids)
         t0 = time.perf_counter()
-        blob = out.kv.to_bytes(codec=codec)
+        blob = encode_state(out.kv, codec=codec)
         encode_ms = (time.perf_counter() - t0) * 1e3
         reply = worker.decode(blob, out.next_token, max_new_tokens - 1)
         tokens = [out.next_token, *reply["tokens"]]

@@ -1,4 +1,4 @@
-"""Parsing of the command-line units of CONTRACTS.md: sizes, rates, durations and length lists."""
+"""Parsing of the command-line units of docs/contracts.md: sizes, rates, durations and length lists."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from prfaas.security import certs
-from prfaas.security.tls import https_verify
+from prfaas.tls import https_verify
 from tests.services.deploy import free_port
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import typer
 
 from prfaas.admin.client import API_KEY_ENV, AdminError, RouterClient
-from prfaas.security.tls import CA_ENV
+from prfaas.tls import CA_ENV
 
 app = typer.Typer(help="Operate a running deployment: drain, pre-flight check, canary weights and rollouts, "
                   "scaling advice.", no_args_is_help=True)

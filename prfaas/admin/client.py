@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from prfaas.security.tls import handshake_hint, https_verify
+from prfaas.tls import handshake_hint, https_verify
 
 API_KEY_ENV = "PRFAAS_API_KEY"
 

@@ -17,7 +17,7 @@ from prfaas.bench.client import RequestRecord, request_body, send
 from prfaas.bench.matrix import Cell, Matrix
 from prfaas.bench.target import Verify
 from prfaas.errors import InvalidRequest, Unreachable
-from prfaas.security.tls import handshake_hint
+from prfaas.tls import handshake_hint
 
 Tick = Callable[[float], None]  # called about once a second with the cell's elapsed time
 

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prfaas.bench.provenance import provenance
 from prfaas.bench.stats import describe_failures
 from prfaas.bench.verdict import verdict_line
 
@@ -86,6 +87,7 @@ def write(out: Path, results: dict[str, Any]) -> None:
         results["plot"] = "report.png"
     except ImportError as exc:
         results["plot_error"] = f"matplotlib is not installed: {exc}"
+    results.setdefault("provenance", provenance())
     (out / "results.json").write_text(json.dumps(results, indent=1))
     text = markdown(results)
     (out / "report.md").write_text(text)

@@ -9,26 +9,30 @@ bad matrix raises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
 from prfaas.bench import target as prfaas_target
 from prfaas.bench.client import RequestRecord
-from prfaas.bench.load import check_target, model_name, run_cell, token_bound
+from prfaas.bench.load import Tick, check_target, model_name, run_cell, token_bound
 from prfaas.bench.matrix import Cell, Matrix
 from prfaas.bench.network import NetworkControl
 from prfaas.bench.sampler import Sampler
 from prfaas.bench.stats import describe_failures, summarize
 from prfaas.bench.verdict import judge, overall
 from prfaas.errors import InvalidRequest
-from prfaas.security.tls import https_verify
+from prfaas.tls import https_verify
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Run:
         self.model = options.model
         self.sampler: Sampler | None = None
         self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        self.console = Console(stderr=True)
+        self.progress: Progress | None = None  # live while ``live`` is entered on a terminal
 
     async def execute(self) -> dict[str, Any]:
         o = self.o
@@ -126,8 +132,8 @@ class Run:
         ended = asyncio.Event()
         cut = asyncio.create_task(net.cut_during(self.epoch, ended)) if net and cell.network == "cut" else None
         try:
-            records = await run_cell(url, self.model, cell, m, self.epoch, self.o.seed,
-                                     self._ticker(label or cell.key), self.verify)
+            with self._ticking(label or cell.key) as tick:
+                records = await run_cell(url, self.model, cell, m, self.epoch, self.o.seed, tick, self.verify)
         finally:
             ended.set()
         windows = await cut if cut else []
@@ -163,14 +169,37 @@ class Run:
                 "wan_gbps_mean": round(sum(wan) / len(wan), 4) if wan else None,
                 "wan_gbps_max": max(wan, default=None)}
 
-    def _ticker(self, label: str) -> Any:
-        if not self.o.progress or not sys.stderr.isatty():
-            return None
-        return lambda elapsed: self._say(f"  {label}: {elapsed:.0f} s", end="\r")
+    @contextlib.contextmanager
+    def live(self) -> Iterator[None]:
+        """A progress bar per running cell on stderr while entered: only on a terminal and without ``--quiet``
+        (a log gets the one line per cell of ``_say`` instead)."""
+        if not (self.o.progress and self.console.is_terminal):
+            yield
+            return
+        columns = (TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, transient=True) as progress:
+            self.progress = progress
+            try:
+                yield
+            finally:
+                self.progress = None
 
-    def _say(self, text: str, end: str = "\n") -> None:
+    @contextlib.contextmanager
+    def _ticking(self, label: str) -> Iterator[Tick | None]:
+        """The cell's tick (elapsed seconds against the matrix's duration), its bar removed when the cell ends."""
+        progress = self.progress
+        if progress is None:
+            yield None
+            return
+        task = progress.add_task(label, total=self.matrix.duration_s)
+        try:
+            yield lambda elapsed: progress.update(task, completed=elapsed)
+        finally:
+            progress.remove_task(task)
+
+    def _say(self, text: str) -> None:
         if self.o.progress:
-            print(f"{text:<100}", end=end, file=sys.stderr, flush=True)
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def _compact(r: RequestRecord) -> dict[str, Any]:
@@ -181,4 +210,6 @@ def _compact(r: RequestRecord) -> dict[str, Any]:
 
 
 def run_bench(options: RunOptions) -> dict[str, Any]:
-    return asyncio.run(Run(options).execute())
+    run = Run(options)
+    with run.live():
+        return asyncio.run(run.execute())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from prfaas.security.tls import CA_ENV
+from prfaas.tls import CA_ENV
 from prfaas.units import parse_duration, parse_lengths
 
 

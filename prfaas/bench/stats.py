@@ -3,9 +3,10 @@ transfer view (transfer success, retries, degradations, fallbacks) for requests 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from prfaas.bench.client import RequestRecord
 
@@ -13,11 +14,8 @@ QUANTILES = (50, 90, 99)
 
 
 def percentile(samples: list[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no samples."""
-    if not samples:
-        return None
-    ordered = sorted(samples)
-    return ordered[max(1, math.ceil(q / 100 * len(ordered))) - 1]
+    """Nearest-rank percentile (always one of the samples, as load tools report them); None for no samples."""
+    return float(np.percentile(samples, q, method="inverted_cdf")) if samples else None
 
 
 def latency(samples_s: list[float]) -> dict[str, float | None]:

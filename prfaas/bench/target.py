@@ -9,8 +9,9 @@ import time
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-Verify = ssl.SSLContext | bool  # what an https:// target's certificate is checked against (prfaas.security.tls)
+Verify = ssl.SSLContext | bool  # what an https:// target's certificate is checked against (prfaas.tls)
 
 
 async def kv_snapshot(url: str, verify: Verify = True) -> dict[str, Any] | None:
@@ -78,16 +79,17 @@ async def metrics_text(url: str, verify: Verify = True) -> str:
     return reply.text if reply.status_code == 200 else ""
 
 
-def metric_sum(text: str, name: str) -> float:
-    """Sum of every sample of ``name`` (all label sets) in Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name):len(name) + 1] in ("{", " ")):
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-    return total
+def sample_sums(text: str) -> dict[str, float]:
+    """Each sample name in Prometheus text with its values summed over every label set; {} for text that does not
+    parse (a target that serves something else at /metrics has no counters to show)."""
+    sums: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return {}
+    return sums
 
 
 ROUTER_COUNTERS = ("prfaas_router_requests_total", "prfaas_router_fallbacks_total", "prfaas_router_errors_total",
@@ -96,8 +98,8 @@ ROUTER_COUNTERS = ("prfaas_router_requests_total", "prfaas_router_fallbacks_tota
 
 async def router_counters(url: str, verify: Verify = True) -> dict[str, float]:
     """The router's counters that a cell's report shows as differences (empty against a non-prfaas target)."""
-    text = await metrics_text(url, verify)
-    return {name: metric_sum(text, name) for name in ROUTER_COUNTERS} if text else {}
+    sums = sample_sums(await metrics_text(url, verify))
+    return {name: sums.get(name, 0.0) for name in ROUTER_COUNTERS} if sums else {}
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

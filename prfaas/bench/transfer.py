@@ -17,7 +17,6 @@ import json
 import multiprocessing as mp
 import ssl
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -53,13 +52,33 @@ def make_frames(nbytes: int, chunk_bytes: int) -> tuple[str, list[bytes], int]:
 
 
 def self_signed(directory: Path, ips: tuple[str, ...] = ("127.0.0.1",)) -> tuple[Path, Path]:
-    """A throw-away P-256 certificate for ``ips`` (needs the ``openssl`` command)."""
-    cert, key = directory / "relay.pem", directory / "relay.key"
-    san = ",".join(f"IP:{ip}" for ip in ips)
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={ips[0]}",
-                    "-addext", f"subjectAltName={san}"], check=True, capture_output=True)
-    return cert, key
+    """A throw-away P-256 certificate for ``ips``, valid for a day, that is its own CA (clients trust it as
+    ``cafile``): ``relay.pem`` and ``relay.key`` in ``directory``."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ips[0])])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "relay.pem", directory / "relay.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return cert_path, key_path
 
 
 def server_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -107,8 +126,10 @@ def process_cpu_s(pid: int | None) -> float | None:
 async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, streams: int, repeat: int,
                   tls: ssl.SSLContext | None, peer_pid: int | None = None) -> dict[str, Any]:
     from prfaas.kv import BlobReader
-    from prfaas.transfer import pull, push, release
+    from prfaas.limits import DEFAULT
+    from prfaas.transfer import TransferContext, pull, push, release
 
+    context = TransferContext.for_role(DEFAULT, tls, max_inflight_kv=0)  # a decode role's: arenas reused
     started = time.perf_counter()
     await push(address, kv_id, frames, ssl=tls, timeout_s=30.0)
     push_s = time.perf_counter() - started
@@ -117,7 +138,7 @@ async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, s
         for _ in range(repeat):
             started, cpu_started, peer_started = time.perf_counter(), time.process_time(), process_cpu_s(peer_pid)
             await pull(address, kv_id, BlobReader(max_bytes=payload + (64 << 20)), timeout_s=30.0, streams=streams,
-                       ssl=tls, retries=0)
+                       retries=0, context=context)
             times.append(time.perf_counter() - started)
             cpu.append((time.process_time() - cpu_started) / payload * 1e9)
             peer_now = process_cpu_s(peer_pid)
@@ -125,6 +146,7 @@ async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, s
                 peer_cpu.append((peer_now - peer_started) / payload * 1e9)
     finally:
         await release(address, kv_id, ssl=tls)
+        context.close()
     best = min(times)
     return {"bytes": payload, "seconds": best, "gbps": payload * 8 / best / 1e9,
             "median_gbps": payload * 8 / statistics.median(times) / 1e9, "push_seconds": push_s,

@@ -5,14 +5,12 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 
 def percentile(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0..100) of a non-empty list."""
-    if not samples:
-        return math.nan
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
-    return ordered[rank - 1]
+    """Nearest-rank percentile (``q`` in 0..100: always one of the samples); NaN for no samples."""
+    return float(np.percentile(samples, q, method="inverted_cdf")) if samples else math.nan
 
 
 def jitter(samples: list[float]) -> float:

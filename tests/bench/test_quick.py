@@ -6,7 +6,7 @@ float32 on an AVX2-only CPU (``--dtype auto`` picks); root and namespaces needed
 
 At concurrency 4 the verdict is reported, not required: on one 2-core host the disaggregated deployment's prefill
 and decode processes share the cores the monolithic baseline has to itself, and in a quiet CI-like run its TTFT
-P50 was 5.9 s against 3.0 s monolithic (limit 1.5x). That is a finding of the acceptance run (README, Acceptance),
+P50 was 5.9 s against 3.0 s monolithic (limit 1.5x). That is a finding of the acceptance run (docs/acceptance.md),
 not a property this test can hold on such a machine."""
 
 from __future__ import annotations

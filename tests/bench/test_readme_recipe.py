@@ -1,4 +1,4 @@
-"""The README's acceptance recipe, run as written: its code block is read from README.md and run by bash from the
+"""The acceptance recipe, run as written: its code block is read from docs/acceptance.md and run by bash from the
 repository root, scaled down (tiny-llama for SmolLM2, 3 s cells at concurrency 1, 512-token prompts, free ports
 for 8000/8001, the report in a temporary directory). Every substitution must apply, so a recipe edited out of
 shape fails here. Checks that both deployments and the lab came up and went away, and that the bench ran every
@@ -26,10 +26,10 @@ SCALE = " --duration 3s --concurrency 1 --input-len 512 --output-len 4 --quiet"
 
 
 def recipe() -> str:
-    """The first code block of the README's Acceptance section."""
-    section = (ROOT / "README.md").read_text().split("\n## Acceptance\n", 1)[1]
+    """The first code block of docs/acceptance.md's recipe section."""
+    section = (ROOT / "docs" / "acceptance.md").read_text().split("\n## The recipe\n", 1)[1]
     match = re.search(r"```\n(.*?)```", section, re.S)
-    assert match, "the Acceptance section has no code block"
+    assert match, "the recipe section has no code block"
     return match.group(1)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prfaas.bench.client import RequestRecord
 from prfaas.bench.matrix import Acceptance
 from prfaas.bench.stats import percentile, summarize
-from prfaas.bench.target import kv_release, metric_sum
+from prfaas.bench.target import kv_release, sample_sums
 from prfaas.bench.verdict import judge
 
 
@@ -80,6 +80,13 @@ def test_verdict_uses_the_relative_ttft_sla_and_says_why() -> None:
     assert not judge(metrics, Acceptance(ttft_p99_ms=50), None)["pass"]
 
 
-def test_metric_sum_adds_every_label_set() -> None:
-    text = 'prfaas_x_total{a="1"} 2.0\nprfaas_x_total{a="2"} 3.0\nprfaas_x_total_created 9\nprfaas_y 1\n'
-    assert metric_sum(text, "prfaas_x_total") == 5.0
+def test_sample_sums_add_every_label_set() -> None:
+    text = ('# TYPE prfaas_x counter\nprfaas_x_total{a="1"} 2.0\nprfaas_x_total{a="2"} 3.0\n'
+            'prfaas_x_created{a="1"} 9\nprfaas_y 1\nprfaas_y_other 4 1700000000000\n')
+    sums = sample_sums(text)
+    assert (sums["prfaas_x_total"], sums["prfaas_y"], sums["prfaas_y_other"]) == (5.0, 1.0, 4.0)
+
+
+def test_sample_sums_of_text_that_is_not_prometheus_are_empty() -> None:
+    assert sample_sums("<html>not metrics</html>\n") == {}
+    assert sample_sums("") == {}

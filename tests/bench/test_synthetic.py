@@ -11,7 +11,7 @@ import pytest
 from prfaas.engine import load_engine
 from prfaas.engine.synthetic import SPECS, SyntheticCache, SyntheticEngine, next_token
 from prfaas.errors import KVBadFormat, KVIncompatible
-from prfaas.kv import BlobReader, KVState
+from prfaas.kv import BlobReader, decode_state, encode_state
 from prfaas.plan.kvcalc import plan_from_path
 from tests.services.deploy import deployment
 
@@ -41,9 +41,9 @@ def test_kv_sizes_match_the_plan_of_the_published_config(name: str, fixture: str
 def test_blob_round_trip_through_the_real_format(engine: SyntheticEngine) -> None:
     prompt = list(range(2000, 2300))
     out = engine.prefill(prompt)
-    blob = out.kv.to_bytes(kv_id=None, chunk_size=1 << 20)
+    blob = encode_state(out.kv, kv_id=None, chunk_size=1 << 20)
     assert len(blob) > out.kv.nbytes
-    back = KVState.from_bytes(blob)
+    back = decode_state(blob)
     assert back.first_token == out.next_token and back.seq_len == len(prompt)
     assert engine.decode(back, out.next_token, 8) == engine.generate(prompt, 9)[1:]
     assert isinstance(engine.restore(back), SyntheticCache)
