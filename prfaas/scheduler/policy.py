@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from prfaas.config import Config
+from prfaas.config import RouterConfig
 from prfaas.errors import KVUnavailable, RateLimited
 from prfaas.messages import InstanceInfo
 from prfaas.ratelimit import TokenBucket
@@ -38,8 +38,8 @@ class Decision:
 
 
 class Scheduler:
-    def __init__(self, config: Config, mode: str, rng: random.Random | None = None) -> None:
-        self.config = config
+    def __init__(self, config: RouterConfig, mode: str, rng: random.Random | None = None) -> None:
+        self.config = config  # the router's section only: admission, thresholds, decode queue limit
         self.mode = mode
         self.rng = rng or random.Random()
         self.breakers = CircuitBreaker()

@@ -133,14 +133,14 @@ def loopback(host: str) -> bool:
 def check_config_file(path: str | None, config: Config) -> None:
     """Refuse (``InvalidRequest``) a config file that holds API keys and is readable by every user."""
     path = path or os.environ.get("PRFAAS_CONFIG")
-    if path and config.api_keys and os.stat(path).st_mode & stat.S_IROTH:
+    if path and config.common.api_keys and os.stat(path).st_mode & stat.S_IROTH:
         raise InvalidRequest(f"{path} holds api_keys and is world-readable; run `chmod o-rwx {path}`")
 
 
 def check_exposure(host: str, config: Config, insecure: bool = False) -> None:
     """Refuse (``InvalidRequest``, saying why) to serve the public API on a non-loopback ``host`` with neither API
     keys nor TLS, unless ``insecure``."""
-    if loopback(host) or insecure or config.api_keys or tls.enabled(config.tls):
+    if loopback(host) or insecure or config.common.api_keys or tls.enabled(config.tls):
         return
     raise InvalidRequest(
         f"refusing to bind the router to {host}: it is reachable from other hosts, and with no api_keys and no "

@@ -39,7 +39,7 @@ def protect_instance(app: Any, record: Record | None = None, config: Config | No
     if not security.enabled():
         return
     if record is None and config is not None:
-        record = own_audit(app, config, name)
+        record = own_audit(app, config.store, name)
     on_refused = _recorder(record)
     app.state.tls_refused = on_refused
     app.add_middleware(RoleGuard, rules=INSTANCE_RULES, on_refused=on_refused, required=security.required())
@@ -49,12 +49,12 @@ def protect_router(app: Any, config: Config, security: Security = PLAINTEXT) -> 
     """The body limit, API keys on the public routes (when configured) and, with TLS, the role guard on
     ``/internal/*``; refusals go to the router's own audit log when ``audit_log`` is set."""
     limit_requests(app, config.limits)
-    record = own_audit(app, config, "router")
+    record = own_audit(app, config.store, "router")
     on_refused = _recorder(record)
     app.state.tls_refused = on_refused
     if security.enabled():
         app.add_middleware(RoleGuard, rules=ROUTER_RULES, on_refused=on_refused, required=security.required())
-    keys = parse_keys(config.api_keys)
+    keys = parse_keys(config.common.api_keys)
     if keys:
         app.add_middleware(ApiKeyGuard, keys=keys)
         app.add_middleware(KeyRefusals, record=record)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from prfaas.audit import AuditLog
-from prfaas.config import Config
+from prfaas.config import StoreConfig
 from prfaas.errors import KVUnauthorized
 from prfaas.records import AccessRecord
 from prfaas.security.identity import Peer
@@ -58,7 +58,7 @@ def refused(record: Record | None, peer: Peer, action: str, reason: str, logged:
         log.exception("could not record a refusal")
 
 
-def own_audit(app: Any, config: Config, name: str) -> Record | None:
+def own_audit(app: Any, config: StoreConfig, name: str) -> Record | None:
     """For a process without a store: an audit log of its own at ``config.audit_log`` (``{instance}`` →
     ``name``; without the placeholder, ``<audit_log>.<name>``, so processes never share one chain), closed when
     ``app`` shuts down; None when no audit log is configured."""

@@ -32,7 +32,7 @@ from prfaas.services.registry import pool_of
 
 def install(app: FastAPI, router: Any) -> None:
     registry = router.registry
-    app.state.drain = drain_module.attach_router(app, router.config)
+    app.state.drain = drain_module.attach_router(app, router.config.common)
 
     @app.get("/admin/pools")
     async def pools() -> dict[str, Any]:
@@ -42,7 +42,7 @@ def install(app: FastAPI, router: Any) -> None:
         out = [{"pool": key, "model": fp.model, "weight": registry.weight_of(key, fp.model),
                 "fingerprint": fp.to_wire(), "instances": dict(roles.get(key, {}))}
                for key, fp in sorted(registry.models.items())]
-        return {"pools": out, "configured": registry.pools, "kept_in": router.config.pool_weights_file or None,
+        return {"pools": out, "configured": registry.pools, "kept_in": router.config.router.pool_weights_file or None,
                 "router_config_hash": router.config.digest(),
                 "router_format_version": FORMAT_VERSION, "router_reads": sorted(SUPPORTED_VERSIONS)}
 
@@ -53,11 +53,12 @@ def install(app: FastAPI, router: Any) -> None:
                                                     for w in weights.values()):
             return JSONResponse(http.error_body(400, "weights must map names to numbers ≥ 0", None), 400)
         changed = {**registry.pools, **{str(k): float(v) for k, v in weights.items()}}
-        if router.config.pool_weights_file:  # kept before applied: a restart never forgets an applied change
+        if router.config.router.pool_weights_file:  # kept before applied: a restart never forgets an applied change
             try:
-                pool_weights.save(router.config.pool_weights_file, changed)
+                pool_weights.save(router.config.router.pool_weights_file, changed)
             except OSError as exc:
-                message = f"the weights could not be kept in {router.config.pool_weights_file} ({exc}); nothing changed"
+                kept_in = router.config.router.pool_weights_file
+                message = f"the weights could not be kept in {kept_in} ({exc}); nothing changed"
                 return JSONResponse(http.error_body(500, message, None), 500)
         registry.pools = changed
         return await pools()
@@ -65,11 +66,12 @@ def install(app: FastAPI, router: Any) -> None:
     @app.get("/admin/signals")
     async def signals() -> dict[str, Any]:
         return router.signals.snapshot(registry.healthy("prefill"), registry.healthy("decode"),
-                                       router.scheduler.speeds, router.config.offload_threshold_tokens)
+                                       router.scheduler.speeds, router.config.router.offload_threshold_tokens)
 
     @app.get("/admin/prometheus/targets")
     async def prometheus_targets(request: Request) -> list[dict[str, Any]]:
-        me = discovery.Target(_own_address(request), request.url.scheme, "router", "router", router.config.datacenter)
+        me = discovery.Target(_own_address(request), request.url.scheme, "router", "router",
+                              router.config.common.datacenter)
         return discovery.target_groups(me, (info for info, _ in registry.all()))
 
     @app.post("/admin/drain/{instance_id}")

@@ -28,7 +28,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from prfaas.config import Config
+from prfaas.config import CommonConfig, Config
 from prfaas.store import BlobStore
 
 log = logging.getLogger("prfaas.drain")
@@ -155,10 +155,11 @@ class InstanceDrain(Drain):
     ``GET /ready`` (503 while draining: a readiness probe, where ``/health`` stays the liveness probe)."""
 
     def __init__(self, config: Config, store: BlobStore | None, announce: Callable[[], Awaitable[None]]) -> None:
-        deadline = config.drain_timeout_ms / 1e3
+        deadline = config.common.drain_timeout_ms / 1e3
         if store is not None:
-            deadline = max(deadline, config.kv_ttl_seconds + 2.0)
-        super().__init__(deadline, self._idle, announce, quiet_s=max(QUIET_S, 2 * config.heartbeat_interval_ms / 1e3))
+            deadline = max(deadline, config.store.kv_ttl_seconds + 2.0)
+        super().__init__(deadline, self._idle, announce,
+                         quiet_s=max(QUIET_S, 2 * config.common.heartbeat_interval_ms / 1e3))
         self.store = store
         self.work = OpenWork()
 
@@ -206,7 +207,7 @@ class RouterGate:
         await reply(scope, receive, send)
 
 
-def attach_router(app: Any, config: Any) -> Drain:
+def attach_router(app: Any, config: CommonConfig) -> Drain:
     """Give the router its drain: the work counter over ``/v1/*``, the gate, and ``POST /admin/drain`` (answers
     ``draining``, ``started``, ``deadline_s``, ``open_requests``). Exit once no request has been open for
     ``ROUTER_QUIET_S`` (the gate refuses new ones meanwhile) or at ``drain_timeout_ms``."""

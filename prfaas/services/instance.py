@@ -110,7 +110,7 @@ class Instance:
     def info(self) -> InstanceInfo:
         return InstanceInfo.from_json({
             "instance_id": self.options.instance_id, "role": self.options.role, "url": self.url,
-            "kv_address": self.kv_address, "datacenter": self.config.datacenter, "fingerprint": self.fingerprint,
+            "kv_address": self.kv_address, "datacenter": self.config.common.datacenter, "fingerprint": self.fingerprint,
             "model": self.model, "model_root": self.model_root, "max_seq_len": self.max_seq_len,
             "draining": self.drain.draining,
             "config_hash": self.config.digest(), **self._load()})
@@ -139,9 +139,9 @@ class Instance:
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         server = await self._start_transfer()
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
-        beat = Heartbeat(self.options.router_url, self.info, self.config.heartbeat_interval_ms / 1e3,
+        beat = Heartbeat(self.options.router_url, self.info, self.config.common.heartbeat_interval_ms / 1e3,
                          on_refused=self._refused,
-                         headers=credential(parse_keys(self.config.api_keys), self.options.role),
+                         headers=credential(parse_keys(self.config.common.api_keys), self.options.role),
                          verify=self.security.http_verify())
         self.beat = beat
         beat.start()

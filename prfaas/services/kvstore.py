@@ -15,7 +15,7 @@ import socket
 from typing import Any
 
 from prfaas.audit import AuditLog
-from prfaas.config import Config
+from prfaas.config import Config, StoreConfig
 from prfaas.obs import metrics
 from prfaas.security.runtime import PLAINTEXT, Security
 from prfaas.store import AccessRecord, BlobStore, DeletionRecord, FrameBackend, MemoryBackend, accessing
@@ -30,26 +30,28 @@ def longest_ttl(config: Config) -> float:
     """The longest TTL a blob of this deployment may have: ``kv_ttl_seconds`` or a tenant's longer override.
     The store cuts a longer TTL asked on the wire to it (so store holders want the tenants' policies too)."""
     tenants = Tenants.from_config(config.tenants).policies.values()
-    return max([config.kv_ttl_seconds, *(t.kv_ttl_seconds for t in tenants)])
+    return max([config.store.kv_ttl_seconds, *(t.kv_ttl_seconds for t in tenants)])
 
 
 class StoreRuntime:
     def __init__(self, config: Config, instance_id: str) -> None:
-        self.instance_id, self.datacenter = instance_id, config.datacenter
-        self.audit = AuditLog(config.audit_log.replace("{instance}", instance_id), instance_id) \
-            if config.audit_log else None
-        backend = _backend(config, instance_id)
+        """``config``: the root, of which the store reads its section, ``datacenter``, ``tenants`` and ``limits``."""
+        section = config.store
+        self.instance_id, self.datacenter = instance_id, config.common.datacenter
+        self.audit = AuditLog(section.audit_log.replace("{instance}", instance_id), instance_id) \
+            if section.audit_log else None
+        backend = _backend(section, instance_id)
         if self.audit:
-            self.audit.opened(backend=backend.name, ttl_s=config.kv_ttl_seconds,
-                              budget_bytes=config.store_budget_bytes, datacenter=config.datacenter)
-        self.store = BlobStore(config.store_budget_bytes, config.kv_ttl_seconds, on_delete=self._deleted,
+            self.audit.opened(backend=backend.name, ttl_s=section.kv_ttl_seconds,
+                              budget_bytes=section.store_budget_bytes, datacenter=self.datacenter)
+        self.store = BlobStore(section.store_budget_bytes, section.kv_ttl_seconds, on_delete=self._deleted,
                                backend=backend, on_access=self._accessed, owner=instance_id,
                                max_ttl_s=longest_ttl(config), limits=config.limits)
         if self.audit:
-            settled = self.audit.settle({b.kv_id for b in self.store.live()}, config.kv_ttl_seconds)
+            settled = self.audit.settle({b.kv_id for b in self.store.live()}, section.kv_ttl_seconds)
             if settled:
                 log.warning("recorded the end of %d blobs a previous store process never recorded", settled)
-        metrics.STORE_BUDGET_BYTES.set(config.store_budget_bytes)
+        metrics.STORE_BUDGET_BYTES.set(section.store_budget_bytes)
 
     def server(self, host: str, port: int, security: Security = PLAINTEXT) -> TransferServer:
         """The data-plane server; with the role's TLS (``security``) it is mutual TLS 1.3 and each request is
@@ -104,7 +106,7 @@ class StoreRuntime:
         self._gauges()
 
 
-def _backend(config: Config, instance_id: str) -> FrameBackend:
+def _backend(config: StoreConfig, instance_id: str) -> FrameBackend:
     """The configured backend, sealed (AES-256-GCM per blob) when a store master key is configured."""
     backend: FrameBackend = MemoryBackend()
     if config.store_backend == "redis":

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from prfaas.config import Config
+from prfaas.config import PrefillConfig, TransferConfig
 from prfaas.errors import PrfaasError
 from prfaas.events import Accepted, Failed, PrefillDone, PrefillEvent
 from prfaas.kv import FORMAT_VERSION, BlobHeader, BlobWriter, LayerState, check_kv_id
@@ -33,15 +33,15 @@ if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run ti
 class PrefillService:
     """Owns a blob from ``accepted`` until its trailer is written; then the store owns it."""
 
-    def __init__(self, engine: Engine, config: Config, store: BlobStore | None,
+    def __init__(self, engine: Engine, config: PrefillConfig, transfer: TransferConfig, store: BlobStore | None,
                  security: Security = PLAINTEXT) -> None:
         self.engine = engine
         self.client_ssl = security.client_ssl()  # the role's TLS for its pushes to the relay
-        self.config = config
+        self.transfer = transfer
         self.store = store
         self.scheduler = PrefillScheduler(engine, config.prefill_max_batch, config.prefill_batch_tokens,
                                           config.prefill_chunk_tokens)
-        self._inflight = asyncio.Semaphore(config.max_inflight_kv)
+        self._inflight = asyncio.Semaphore(transfer.max_inflight_kv)
 
     async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
         """NDJSON events: ``accepted`` once the blob exists, then ``done`` (first token, sizes) or ``error``."""
@@ -101,14 +101,14 @@ class PrefillService:
         if version != fingerprint.format_version:
             fingerprint = dataclasses.replace(fingerprint, format_version=version)
         return BlobHeader(kv_id=check_kv_id(request.kv_id), fingerprint=fingerprint,
-                          codec=request.kv_codec or self.config.kv_codec,
+                          codec=request.kv_codec or self.transfer.kv_codec,
                           seq_len=len(request.token_ids), cache=self.engine.cache_class,
-                          chunk_size=self.config.chunk_bytes, layers=self.engine.layer_table,
+                          chunk_size=self.transfer.chunk_bytes, layers=self.engine.layer_table,
                           created_ms=int(time.time() * 1000))
 
     def _sink(self, request: PrefillRequest, header: bytes) -> FrameSink:
         if request.push_to:
-            timeout = self.config.kv_transfer_timeout_ms / 1e3 + 30.0
+            timeout = self.transfer.kv_transfer_timeout_ms / 1e3 + 30.0
             return PushSink(request.push_to, request.kv_id, header, timeout, tls=self.client_ssl, tenant=request.tenant,
                             ttl_s=request.kv_ttl_seconds)
         assert self.store is not None, "direct mode needs the prefill's own store"

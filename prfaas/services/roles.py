@@ -147,5 +147,6 @@ def build(options: InstanceOptions, config: Config) -> RoleServer:
     core = Instance(options, config, with_store=options.role == "prefill")
     core.advertise(engine)
     if options.role == "prefill":
-        return PrefillServer(core, PrefillService(engine, config, core.store, core.security))
+        return PrefillServer(core, PrefillService(engine, config.prefill, config.transfer, core.store,
+                                                   core.security))
     return DecodeServer(core, DecodeService(engine, config, core.security))

@@ -62,15 +62,16 @@ class Router:
         self.config = config
         self.mode = mode
         self.security = security
-        self.registry = Registry(config.heartbeat_timeout_ms / 1e3,
-                                 pools={**config.pools, **pool_weights.load(config.pool_weights_file)})
-        self.scheduler = Scheduler(config, mode)
+        self.registry = Registry(config.common.heartbeat_timeout_ms / 1e3,
+                                 pools={**config.router.pools, **pool_weights.load(config.router.pool_weights_file)})
+        self.scheduler = Scheduler(config.router, mode)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=security.http_verify())
         self.instances = instances or HttpInstanceClient(self.client, security.client_ssl())
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.instances)
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
-        self.tenants = Tenants.from_config(config.tenants, [k.tenant for k in apikeys.parse_keys(config.api_keys)])
-        self.meter = metering.Meter(metering.router_log_path(config.audit_log), config.datacenter)
+        self.tenants = Tenants.from_config(config.tenants,
+                                           [k.tenant for k in apikeys.parse_keys(config.common.api_keys)])
+        self.meter = metering.Meter(metering.router_log_path(config.store.audit_log), config.common.datacenter)
 
     def required_roles(self) -> tuple[str, ...]:
         return ("prefill", "decode", "relay") if self.mode == "relay" else ("prefill", "decode")
@@ -279,7 +280,7 @@ def create_app(router: Router) -> FastAPI:
         return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
                             status_code=200 if router.ready() else 503)
 
-    registrar = registration.Registrar(apikeys.parse_keys(router.config.api_keys), tls=router.security.enabled())
+    registrar = registration.Registrar(apikeys.parse_keys(router.config.common.api_keys), tls=router.security.enabled())
     if registrar.keys and not registrar.strict and not router.security.enabled():
         log.warning("no API key carries `roles`: any valid key may register instances of any role; give the "
                     "instances' keys roles (docs/security.md)")

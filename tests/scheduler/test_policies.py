@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from prfaas.config import Config
+from prfaas.config import RouterConfig
 from prfaas.errors import KVIncompatible, KVUnavailable, RateLimited
 from prfaas.messages import InstanceInfo
 from prfaas.scheduler import CircuitBreaker, LinkMonitor, PrefillSpeed, Scheduler, TokenBucket
@@ -143,7 +144,7 @@ def test_prefill_placement_by_expected_wait() -> None:
 
 
 def test_routes() -> None:
-    config = Config(offload_threshold_tokens=100)
+    config = RouterConfig(offload_threshold_tokens=100)
     s = Scheduler(config, "relay", random.Random(0))
     prefill, relay = [inst("p", "prefill")], [inst("r", "relay")]
     assert s.route(100, prefill, relay).reason_code == "below_threshold"
@@ -156,13 +157,13 @@ def test_routes() -> None:
         s.link.record(False)
     assert s.route(500, prefill, relay).route == "remote"  # the first one probes the link
     assert s.route(500, prefill, relay).reason_code == "link_degraded"
-    strict = Scheduler(config.replace(fallback_local_prefill=False), "relay")
+    strict = Scheduler(dataclasses.replace(config, fallback_local_prefill=False), "relay")
     with pytest.raises(KVUnavailable, match="fallback_local_prefill is off"):
         strict.route(500, [], relay)
 
 
 def test_rate_limit_raises_429() -> None:
-    s = Scheduler(Config(rate_limit_qps=1), "relay")
+    s = Scheduler(RouterConfig(rate_limit_qps=1), "relay")
     s.admit()
     with pytest.raises(RateLimited) as info:
         s.admit()

@@ -39,7 +39,7 @@ class Role(NamedTuple):
 def as_role(pki: Path) -> Iterator[object]:
     """A role's TLS settings (``as_role("relay")``): its config and its ``Security``."""
     def configure(role: str, required: bool = True, crl: str | None = None, **extra: object) -> Role:
-        config = Config(tls=tls_config(pki, role, required, crl=crl), **extra)  # type: ignore[arg-type]
+        config = Config(tls=tls_config(pki, role, required, crl=crl)).replace(**extra)  # extra: flat YAML keys
         return Role(config, Security.of(config, role))
 
     yield configure

@@ -58,7 +58,7 @@ def test_prefill_and_decode_add_their_routes_on_the_core_they_are_given(core_of:
     engine = load_engine(MODEL)
     config = load_config(None)
     prefill_core = core_of("prefill", with_store=True)
-    prefill = PrefillServer(prefill_core, PrefillService(engine, config, prefill_core.store))
+    prefill = PrefillServer(prefill_core, PrefillService(engine, config.prefill, config.transfer, prefill_core.store))
     decode = DecodeServer(core_of("decode", with_store=False), DecodeService(engine, config))
     try:
         assert SHARED | {"/prefill"} <= paths(prefill) and "/generate" not in paths(prefill)

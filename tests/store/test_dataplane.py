@@ -22,8 +22,8 @@ from tests.transfer.helpers import assert_same, blob_frames, make_state, run
 @pytest.fixture
 def runtime(request: pytest.FixtureRequest, backend_name: str, tmp_path: Path) -> StoreRuntime:
     url = request.getfixturevalue("redis_url") if backend_name == "redis" else "redis://unused"
-    config = Config(store_backend=backend_name, redis_url=url, audit_log=str(tmp_path / "{instance}.jsonl"),
-                    store_budget_mb=64)
+    config = Config().replace(store_backend=backend_name, redis_url=url, audit_log=str(tmp_path / "{instance}.jsonl"),
+                              store_budget_mb=64)
     return StoreRuntime(config, f"relay-{uuid.uuid4().hex[:8]}")
 
 

@@ -42,7 +42,7 @@ def test_tenant_names_and_key_tenants_are_checked() -> None:
 
 
 def test_a_pinned_tenant_is_never_offloaded_even_when_the_scheduler_would() -> None:
-    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10}), "relay")
+    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10}).router, "relay")
     prefills, relays = [_instance("prefill", "dc-a")], [_instance("relay", "dc-b")]
     assert scheduler.route(5000, prefills, relays).route == "remote"  # what it would prefer
     pinned = TenantPolicy("acme", allowed_datacenters=("dc-b",))
@@ -53,7 +53,7 @@ def test_a_pinned_tenant_is_never_offloaded_even_when_the_scheduler_would() -> N
 
 
 def test_residency_policy_beats_fallback_off_and_picks_an_allowed_prefill() -> None:
-    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10, "fallback_local_prefill": False}), "direct")
+    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10, "fallback_local_prefill": False}).router, "direct")
     pinned = TenantPolicy("acme", allowed_datacenters=("dc-b",))
     decision = scheduler.route(500, [_instance("prefill", "dc-a")], [], pinned, home="dc-b")
     assert decision.route == "local"  # the policy keeps it local: no refusal for want of a remote path
@@ -66,7 +66,7 @@ def test_residency_policy_beats_fallback_off_and_picks_an_allowed_prefill() -> N
 
 
 def test_prompt_may_not_cross_and_relay_residency() -> None:
-    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10}), "relay")
+    scheduler = Scheduler(from_dict({"offload_threshold_tokens": 10}).router, "relay")
     local_only = TenantPolicy("acme", prompt_may_cross=False)
     decision = scheduler.route(500, [_instance("prefill", "dc-a")], [_instance("relay", "dc-b")], local_only, "dc-b")
     assert decision.reason_code == "tenant_prompt_local"
