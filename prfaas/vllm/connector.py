@@ -17,7 +17,9 @@ Scheduler side (vLLM's scheduler process): decides what to save or load each ste
 ``PrfaasMetadata``. Producer: a request with ``do_remote_decode`` is saved in the step where its prefill
 completes — every prompt block of every layer, the earlier steps' blocks included, since each layer's cache holds
 the whole prompt by the time that layer runs in that step. Consumer: a request with ``do_remote_prefill`` reports
-``prompt - 1`` external tokens, loaded asynchronously (vLLM computes the last prompt token itself, for its logits).
+the tokens the blob covers (``kv_tokens``, where the request says it) but never the prompt's last, loaded
+asynchronously (vLLM computes the last prompt token itself, for its logits): ``prompt - 1`` for the producer's own
+prompt, all of it when decode's prompt is the producer's plus the first token the producer sampled.
 Hybrid models (vLLM's KV cache groups): a sliding-window group is carried from the block holding the first token in
 the window of the prompt's last one (the consumer holds vLLM's null block before it); for a model with a Mamba
 state group the producer prefills all but the prompt's last token, since a state cannot be rolled back a token.
@@ -27,7 +29,9 @@ Worker side: producer — ``save_kv_layer`` copies the request's whole blocks of
 sends each chunk as soon as it is full, while later layers compute; ``wait_for_save`` adds the state layers
 (vLLM hands attention layers only to ``save_kv_layer``) and closes the blob. Nothing
 holds vLLM's blocks after the step, so ``request_finished`` never delays their freeing. Consumer — ``start_load_kv``
-starts the pull; at each step's end ``get_transfer_results`` checks the finished pulls on vLLM's thread: the
+starts the pull; at each step's end ``get_transfer_results`` checks the finished pulls on vLLM's thread (in a step
+that computes nothing it first waits up to ``IDLE_WAIT_S`` for one, so that the engine loop, which steps every
+millisecond while a request waits for remote KV, does not spin through the producer's cores): the
 fingerprint and every layer's block shape and dtype are verified, the blocks written into the request's blocks, the
 blob released. Any failure (``KV_NOT_FOUND`` after the creation grace, ``KV_TIMEOUT`` past ``kv_deadline_s``,
 ``KV_CORRUPT`` still corrupt after the retries, ``KV_INCOMPATIBLE``, …) reports the request in ``failed_recving``
@@ -61,6 +65,10 @@ from prfaas.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.prfaas")  # under vLLM's logger: its handlers and format
 LOAD_MARGIN_S = 2.0  # past the pull's own deadline, the worker gives up on it even if the loop is stuck
+# A step that schedules nothing while pulls are pending waits this long for one to finish (at once when one does):
+# vLLM's engine loop steps every millisecond while a request waits for remote KV, and on shared cores those empty
+# steps take CPU from the producer computing that very KV.
+IDLE_WAIT_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,7 @@ class LoadSpec:
 class PrfaasMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    idle: bool = False  # the step computes no token: the worker may wait a little for a pending pull
 
 
 @dataclass
@@ -156,7 +165,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         params = request.kv_transfer_params or {}
         if not (self.consumer and params.get("do_remote_prefill") and _valid_source(params)):
             return 0, False
-        count = len(request.prompt_token_ids or ()) - 1 - num_computed_tokens
+        count = _external_tokens(params, len(request.prompt_token_ids or ())) - num_computed_tokens
         self._local[request.request_id] = num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
@@ -233,7 +242,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                 if spec is not None:
                     self._saves.append(spec)
                     self._saved[req_id] = spec
-        meta = PrfaasMetadata(saves=self._saves, loads=self._loads)
+        meta = PrfaasMetadata(saves=self._saves, loads=self._loads,
+                              idle=not scheduler_output.total_num_scheduled_tokens)
         self._saves, self._loads = [], []
         return meta
 
@@ -362,6 +372,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         return  # loads are asynchronous: a request runs only once its load was reported finished
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        self._wait_if_idle()
         done, failed = set(), set()
         for req_id, load in list(self._pending.items()):
             if not load.future.done() and time.monotonic() < load.deadline:
@@ -381,6 +392,13 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
                     self._bad_blocks.update(load.spec.block_ids[0])
             self._release(load.spec)  # used or refused, the blob is not needed any more (gone: logged)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def _wait_if_idle(self) -> None:
+        """In a step that computes nothing, give a pending pull up to ``IDLE_WAIT_S`` to finish (vLLM's thread)."""
+        meta = self._connector_metadata
+        if isinstance(meta, PrfaasMetadata) and meta.idle and self._pending:
+            concurrent.futures.wait([load.future for load in self._pending.values()], timeout=IDLE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -426,6 +444,17 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         if self.plane is not None:
             self.plane.close()
             self.plane = None
+
+
+def _external_tokens(params: dict[str, Any], prompt_tokens: int) -> int:
+    """The prompt tokens to load from the blob: all it covers (``kv_tokens``, as the producer returned it), but
+    never the prompt's last, which vLLM computes itself for its logits. A request that does not say what the blob
+    covers is the producer's own prompt: all but its last token (held back already where the model has state)."""
+    covered = params.get("kv_tokens")
+    last = prompt_tokens - 1
+    if isinstance(covered, int) and not isinstance(covered, bool) and covered > 0:
+        return min(covered, last)
+    return last
 
 
 def _valid_source(params: dict[str, Any]) -> bool:

@@ -33,14 +33,15 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from prfaas import tls as tls_contexts
 from prfaas.errors import KVNotFound, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import BlobHeader, BlobReader, BlobWriter
 from prfaas.kv.state import KVState, LayerState
-from prfaas.security import tls as tls_contexts
+from prfaas.limits import DEFAULT as DEFAULT_LIMITS
 from prfaas.security.dataplane import DataPlaneGuard
 from prfaas.services.sinks import FrameSink, PushSink, StoreSink
 from prfaas.store.memory import BlobStore
-from prfaas.transfer import client
+from prfaas.transfer import TransferContext, client
 from prfaas.transfer.server import TransferServer
 from prfaas.vllm.settings import ConnectorSettings, split_address
 
@@ -117,6 +118,8 @@ class DataPlane:
     def __init__(self, settings: ConnectorSettings, name: str = "prfaas-kv") -> None:
         self.settings = settings
         self.client_ssl = tls_contexts.client_context(settings.tls) if tls_contexts.enabled(settings.tls) else None
+        # what this connector's pulls share (arenas, verify threads, retry cap); its pulls are not bounded in number
+        self.transfer = TransferContext.for_role(DEFAULT_LIMITS, self.client_ssl, max_inflight_kv=0)
         self.store: BlobStore | None = None
         self.server: TransferServer | None = None
         self._outgoing: dict[str, _Outgoing] = {}  # the encoder thread's
@@ -251,9 +254,9 @@ class DataPlane:
             async with asyncio.timeout(settings.kv_deadline_s):
                 while True:
                     try:
-                        reader = BlobReader()
+                        reader = BlobReader(limits=self.transfer.limits)
                         state = await client.pull(address, kv_id, reader, retries=settings.retries,
-                                                  timeout_s=settings.kv_transfer_timeout_s, ssl=self.client_ssl,
+                                                  timeout_s=settings.kv_transfer_timeout_s, context=self.transfer,
                                                   on_retry=functools.partial(_log_retry, kv_id, reader))
                         log.info("pulled %s from %s: %d bytes in %.1f ms", kv_id, address, state.nbytes,
                                  (time.monotonic() - started) * 1e3)
@@ -281,6 +284,7 @@ class DataPlane:
             self.call(self._close()).result(CLOSE_S)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(CLOSE_S)
+        self.transfer.close()
 
     async def _close(self) -> None:
         unfinished = [out.sink for out in self._outgoing.values() if out.sink is not None]

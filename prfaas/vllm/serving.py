@@ -10,11 +10,20 @@ and translates that protocol into vLLM's P/D requests to its child vLLM server (
   bytes; a failure before that is an ``error`` instead of ``accepted``, so the router falls back to local prefill.
   Why not ``accepted`` at once, so that decode's pull overlaps the prefill as on prfaas's engine: a vLLM request
   waiting for remote KV keeps its engine loop stepping every millisecond, and on shared cores that starved the
-  producer's prefill (341 tokens took 26 s instead of about 1 s); in relay mode the pull still overlaps the push.
+  producer's prefill (341 tokens took 26 s instead of about 1 s with vLLM's reader spin; without it, as
+  ``prfaas.vllm.launch`` starts vLLM, still twice the prefill alone: ``benchmarks/vllm_spin.py``); in relay mode
+  the pull still overlaps the push.
 - ``/generate`` (router → decode): vLLM streaming ``/v1/completions`` with the token ids and, on the remote
   route, ``kv_transfer_params {do_remote_prefill, kv_id, kv_address}``; each generated token id becomes a
   ``token`` event (``return_token_ids``), then ``done``. The connector restores the KV, releases the blob, and
-  recomputes the prompt itself if the KV cannot be had (``kv_load_failure_policy: recompute``).
+  recomputes the prompt itself if the KV cannot be had (``kv_load_failure_policy: recompute``). The stream's last
+  chunk (``include_usage``; vLLM runs with ``--enable-prompt-tokens-details``) says how many prompt tokens vLLM
+  did not compute (``cached_tokens``: those it restored); ``done``'s ``recomputed`` is the rest but the last token
+  (which vLLM always computes, for its logits), so the router reports a prompt recomputed after a failed pull as
+  prefilled locally (``fallback``), not as remote. Where the router passes on the first token the prefill's vLLM
+  sampled (``accepted`` says it, ``_accepted``), that token goes out at once and vLLM continues from the prompt
+  plus it (``known_first`` says where that is exact), so the client's first token does not wait for the pull,
+  the restore and a step of decode's vLLM.
 - ``/tokenize``: vLLM's ``/tokenize`` (the chat template, the same tokenizer as the weights).
 
 Load for the heartbeat comes from vLLM's ``/metrics``; the fingerprint from the connector (weights, tokenizer and
@@ -26,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -34,8 +44,10 @@ import httpx
 
 from prfaas.config import Config
 from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError
+from prfaas.events import Accepted, Done, Failed, GenerateEvent, PrefillDone, PrefillEvent, Stages, Token
 from prfaas.messages import GenerateRequest, PrefillRequest, SamplingParams
 from prfaas.services.instance import Instance
+from prfaas.transfer.abandon import release_abandoned
 from prfaas.vllm.server import LaunchSpec, VllmServer, free_port, resolve_model, vllm_python
 
 CREATION_GRACE_S = 5.0  # relay mode: the push that creates the blob may be a moment behind vLLM's answer
@@ -63,8 +75,9 @@ def start(instance: Instance) -> VllmPrefill | VllmDecode:
     instance.fingerprint = dict(server.info["fingerprint"])
     instance.model, instance.max_seq_len = options.model, server.max_model_len
     instance.model_root = model_dir  # vLLM loads its tokenizer from the directory it serves
-    service = VllmPrefill if options.role == "prefill" else VllmDecode
-    return service(server, config)
+    if options.role == "prefill":
+        return VllmPrefill(server, config)
+    return VllmDecode(server, config, instance.security.client_ssl())
 
 
 def _connector_settings(config: Config) -> dict[str, Any]:
@@ -102,7 +115,7 @@ class _VllmService:
 class VllmPrefill(_VllmService):
     """The prefill role on vLLM: its connector owns the blob from the first saved layer (own store or push)."""
 
-    async def prefill(self, request: PrefillRequest) -> AsyncIterator[dict[str, Any]]:
+    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
         """``accepted``, then ``done`` (first token, KV bytes) or ``error``."""
         arrived = time.perf_counter()
         try:
@@ -110,10 +123,10 @@ class VllmPrefill(_VllmService):
             params = {"do_remote_decode": True, "kv_id": request.kv_id}
             if request.push_to:
                 params["relay"] = request.push_to
-            body = {**self._body(request.token_ids, request.sampling_params(), 1), "kv_transfer_params": params}
-            done = self._done(request, _answer(await self.client.post("/v1/completions", json=body)),
-                              time.perf_counter() - arrived)
-            yield {"event": "accepted"}
+            body = {**self._body(request.token_ids, request.sampling, 1), "kv_transfer_params": params}
+            answer = _answer(await self.client.post("/v1/completions", json=body))
+            done = self._done(request, answer, time.perf_counter() - arrived)
+            yield _accepted(request, answer)
             yield done
         except (PrfaasError, httpx.HTTPError) as exc:
             yield _failure(exc)
@@ -123,18 +136,36 @@ class VllmPrefill(_VllmService):
             raise InvalidRequest(f"the prompt has {len(request.token_ids)} tokens; this vLLM server's context is "
                                  f"{self.server.max_model_len}")
 
-    def _done(self, request: PrefillRequest, answer: dict[str, Any], seconds: float) -> dict[str, Any]:
+    def _done(self, request: PrefillRequest, answer: dict[str, Any], seconds: float) -> PrefillDone:
         params = answer.get("kv_transfer_params") or {}
         if params.get("kv_id") != request.kv_id:
             raise KVUnavailable("vLLM did not save the prompt's KV (see the prefill instance's log)")
         kv_bytes = int(params.get("kv_bytes", 0))
-        return {"event": "done", "first_token": int(answer["choices"][0]["token_ids"][0]), "kv_bytes": kv_bytes,
-                "chunks": math.ceil(kv_bytes / self.config.chunk_bytes), "prefill_ms": seconds * 1e3,
-                "queue_ms": 0.0}
+        return PrefillDone(first_token=int(answer["choices"][0]["token_ids"][0]), kv_bytes=kv_bytes,
+                           chunks=math.ceil(kv_bytes / self.config.chunk_bytes), prefill_ms=seconds * 1e3,
+                           queue_ms=0.0)
+
+
+def _accepted(request: PrefillRequest, answer: dict[str, Any]) -> Accepted:
+    """``accepted`` with vLLM's first token, for decode to stream at once, where it is the answer's first token:
+    the blob covers the whole prompt (a model with a state group holds its last token back, so vLLM's one token
+    there follows the prompt but one) and the token did not end the sequence (decode then computes it again and
+    stops there, as vLLM alone would)."""
+    choice = answer["choices"][0]
+    covered = int((answer.get("kv_transfer_params") or {}).get("kv_tokens", 0))
+    if covered != len(request.token_ids) or choice.get("finish_reason") != "length":
+        return Accepted()
+    return Accepted(first_token=int(choice["token_ids"][0]), first_text=str(choice.get("text") or ""),
+                    kv_tokens=covered)
 
 
 class VllmDecode(_VllmService):
     """The decode role on vLLM: vLLM's connector pulls, verifies, restores and releases the KV."""
+
+    def __init__(self, server: VllmServer, config: Config, kv_ssl: ssl.SSLContext | None = None) -> None:
+        """``kv_ssl``: the role's client TLS for the data plane (releasing a blob vLLM never pulls)."""
+        super().__init__(server, config)
+        self.kv_ssl = kv_ssl
 
     def load(self) -> dict[str, int]:
         """vLLM's queue and free KV cache, and the sizes the router's placement reserves by."""
@@ -154,41 +185,73 @@ class VllmDecode(_VllmService):
         answer = _answer(await self.client.post("/tokenize", json={"model": self.server.spec.served_name, **ask}))
         return [int(t) for t in answer["tokens"]]
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[dict[str, Any]]:
-        """``token`` events (one per token id, the chunk's text on its last), then ``done``; or ``error``."""
-        body = {**self._body(request.token_ids, request.sampling_params(), request.max_tokens), "stream": True,
-                "stop": request.stop, "ignore_eos": request.ignore_eos}
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """``token`` events (one per token id, the chunk's text on its last), then ``done``; or ``error``.
+        With the first token prefill sampled (``known_first``), that token at once, then vLLM on the prompt and
+        it, for one token less: vLLM's first step over the pulled KV computes the second token, not the first
+        again."""
+        first = known_first(request)
+        token_ids, max_tokens = request.token_ids, request.max_tokens
+        if first is not None:
+            yield first
+            if max_tokens == 1:  # nothing left for vLLM: the blob is only released
+                await release_abandoned(request.kv_address, request.kv_id, ssl=self.kv_ssl)
+                yield Done(finish_reason="length", completion_tokens=1)
+                return
+            token_ids, max_tokens = [*token_ids, first.token], max_tokens - 1
+        body = {**self._body(token_ids, request.sampling, max_tokens), "stream": True,
+                "stream_options": {"include_usage": True}, "stop": request.stop, "ignore_eos": request.ignore_eos}
         if request.kv_id:
-            body["kv_transfer_params"] = {"do_remote_prefill": True, "kv_id": request.kv_id,
-                                          "kv_address": request.kv_address}
+            params: dict[str, Any] = {"do_remote_prefill": True, "kv_id": request.kv_id,
+                                      "kv_address": request.kv_address}
+            body["kv_transfer_params"] = {**params, "kv_tokens": request.kv_tokens} if request.kv_tokens else params
         try:
-            async for event in self._stream(body):
+            async for event in self._stream(body, remote=bool(request.kv_id), sent=0 if first is None else 1):
                 yield event
         except (PrfaasError, httpx.HTTPError) as exc:
+            if first is not None:  # the router saw a token, so it will not release the blob itself
+                await release_abandoned(request.kv_address, request.kv_id, ssl=self.kv_ssl)
             yield _failure(exc)
 
-    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        count, rest, reason, started = 0, "", "length", time.perf_counter()
+    async def _stream(self, body: dict[str, Any], remote: bool, sent: int) -> AsyncIterator[GenerateEvent]:
+        """``sent``: tokens already streamed before vLLM's (prefill's first one)."""
+        count, rest, reason, started = sent, "", "length", time.perf_counter()
+        usage: dict[str, Any] = {}
         async with self.client.stream("POST", "/v1/completions", json=body) as reply:
             if reply.status_code != 200:
                 await reply.aread()
                 _answer(reply)
-            async for choice in _choices(reply):
+            async for chunk in _chunks(reply):
+                usage = chunk.get("usage") or usage
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
                 ids, text = list(choice.get("token_ids") or ()), str(choice.get("text") or "")
                 for i, token in enumerate(ids):
-                    event: dict[str, Any] = {"event": "token", "token": int(token),
-                                             "text": text if i == len(ids) - 1 else ""}
-                    if count == 0:
-                        event["stages"] = {"decode_ms": (time.perf_counter() - started) * 1e3}
+                    first = Stages(decode_ms=(time.perf_counter() - started) * 1e3) if count == 0 else None
                     count += 1
-                    yield event
+                    yield Token(token=int(token), text=text if i == len(ids) - 1 else "", stages=first)
                 rest += "" if ids else text
                 reason = _finish(choice.get("finish_reason")) or reason
-        yield {"event": "done", "finish_reason": reason, "completion_tokens": count, "text": rest}
+        yield Done(finish_reason=reason, completion_tokens=count, text=rest,
+                   recomputed=recomputed_tokens(usage) if remote else 0)
 
 
-async def _choices(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The first choice of each server-sent chunk of a vLLM stream, up to ``[DONE]``."""
+def known_first(request: GenerateRequest) -> Token | None:
+    """The first token prefill sampled, as the stream's first ``token``, where streaming it and continuing vLLM
+    from the next one gives exactly what vLLM alone would: a remote prompt whose blob covers all of it, greedy
+    (vLLM's seeded sampler would be a step behind), no stop strings (one could span the first two tokens'
+    text), text that does not end inside a character (vLLM's detokenizer would still be holding bytes), not a
+    resumed stream. Otherwise None: vLLM computes the first token again after the pull."""
+    if (request.first_token < 0 or not request.kv_id or request.kv_tokens != len(request.token_ids)
+            or request.step_offset or request.stop or request.sampling.temperature > 0
+            or request.first_text.endswith("\ufffd")):
+        return None
+    return Token(token=request.first_token, text=request.first_text, stages=Stages(decode_ms=0.0))
+
+
+async def _chunks(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """Each server-sent chunk of a vLLM stream, up to ``[DONE]``."""
     async for line in reply.aiter_lines():
         if not line.startswith("data: "):
             continue
@@ -197,8 +260,16 @@ async def _choices(reply: httpx.Response) -> AsyncIterator[dict[str, Any]]:
         chunk = json.loads(line[len("data: "):])
         if "error" in chunk:
             raise KVUnavailable(f"vLLM failed mid-stream: {_message(chunk)}")
-        if chunk.get("choices"):
-            yield chunk["choices"][0]
+        yield chunk
+
+
+def recomputed_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens vLLM computed although their KV was sent, from the stream's final ``usage``: all but the
+    ``cached_tokens`` it restored and the last one, which it always computes. 0 when vLLM does not say."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None or "prompt_tokens" not in usage:
+        return 0
+    return max(0, int(usage["prompt_tokens"]) - 1 - int(cached))
 
 
 def _finish(reason: Any) -> str | None:
@@ -226,7 +297,7 @@ def _message(body: Any) -> str:
     return str(error.get("message") if isinstance(error, dict) else error or body.get("message", ""))[:300]
 
 
-def _failure(exc: PrfaasError | httpx.HTTPError) -> dict[str, Any]:
+def _failure(exc: PrfaasError | httpx.HTTPError) -> Failed:
     """The ``error`` event of a failed vLLM call: a prfaas error as it is, an HTTP failure as ``KV_UNAVAILABLE``."""
     error = exc if isinstance(exc, PrfaasError) else KVUnavailable(f"vLLM did not answer: {exc!r}")
-    return {"event": "error", **error.to_wire()}
+    return Failed.of(error)

@@ -3,8 +3,10 @@
 
 One deployment per mode (relay, direct), every prompt over the offload threshold (0):
 - completions and chat, streaming and not, greedy, take the remote route: ``prfaas.route == "remote"`` with the
-  blob's ``kv_bytes > 0``, and the decode vLLM's metrics count the prompts as ``external_kv_transfer`` (all but
-  the last token of each), not recomputed;
+  blob's ``kv_bytes > 0``, and the decode vLLM's metrics count the prompts as ``external_kv_transfer`` (every
+  token of each), not recomputed: the first token is prefill's, streamed by the decode instance before its vLLM
+  runs (``stages.decode_ms == 0``), and decode's vLLM computes one token (that one) before the second; a
+  one-token answer never reaches decode's vLLM, and its blob is released;
 - then the prefill instance is drained through the router (``POST /admin/drain/prefill-0``): it exits with its
   vLLM server (no process of it left), and the same four requests take the local route (decode's vLLM prefills
   them itself) and give the same text, token for token;
@@ -17,6 +19,7 @@ Skips only where vLLM's CPU build is not installed (``make vllm``). About 2 minu
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -27,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying
 from tests.vllm.servers import INSTALLED
 
@@ -54,10 +58,10 @@ def _body(chat: bool, stream: bool) -> dict[str, Any]:
     return {**body, "messages": MESSAGES} if chat else {**body, "prompt": PROMPT}
 
 
-def _ask(url: str, chat: bool, stream: bool) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def _ask(url: str, chat: bool, stream: bool, **extra: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(text, the ``prfaas`` field, usage) of one request through the router."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {**_body(chat, stream), **({"stream_options": {"include_usage": True}} if stream else {})}
+    body = {**_body(chat, stream), **({"stream_options": {"include_usage": True}} if stream else {}), **extra}
     if not stream:
         reply = httpx.post(url + path, json=body, timeout=REQUEST_S)
         assert reply.status_code == 200, reply.text
@@ -136,18 +140,40 @@ def test_remote_route_equals_local_route(up: tuple[str, Any]) -> None:
         text, extension, usage = _ask(url, chat, stream)
         assert extension["route"] == "remote" and not extension["fallback"], extension
         assert extension["kv_bytes"] > 0, extension
+        assert extension["stages"]["decode_ms"] == 0.0, extension  # the first token came before decode's vLLM ran
         assert text, (chat, stream)
         remote[(chat, stream)] = text
-        expected_external += usage["prompt_tokens"] - 1  # decode computes only the last prompt token
+        expected_external += usage["prompt_tokens"]  # decode's prompt: the prompt and prefill's first token
     after = _prompt_sources(decode_port)
     assert after["external_kv_transfer"] - before.get("external_kv_transfer", 0.0) == expected_external, after
+    assert after["local_compute"] - before.get("local_compute", 0.0) == len(KINDS), after  # the first tokens only
+    one, extension, _ = _ask(url, False, False, max_tokens=1)
+    assert extension["route"] == "remote" and remote[(False, False)].startswith(one) and one, (one, extension)
+    assert _prompt_sources(decode_port) == after  # answered without decode's vLLM
+    _assert_no_blob_left(url, proc)
 
     _drain_prefill(url, proc)
     for chat, stream in KINDS:
         text, extension, _ = _ask(url, chat, stream)
         assert extension["route"] == "local", extension
+        assert extension["stages"]["decode_ms"] > 0.0, extension
         assert text == remote[(chat, stream)], (chat, stream)
     assert _prompt_sources(decode_port)["external_kv_transfer"] == after["external_kv_transfer"]
+
+
+def _assert_no_blob_left(url: str, proc: Any) -> None:
+    """No blob in the relay's store (relay mode) nor in the producer's (direct mode); releases are asynchronous."""
+    deadline = time.monotonic() + 30
+    while (left := _blobs(url)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"blobs left: {left}"
+
+
+def _blobs(url: str) -> int:
+    reports = httpx.get(f"{url}/admin/kv", timeout=30).json()
+    relay = sum(int((report.get("store") or {}).get("blobs", 0)) for report in reports.values())
+    prefills = [i for i in httpx.get(f"{url}/admin/instances", timeout=30).json() if i["role"] == "prefill"]
+    return relay + sum(int(asyncio.run(client.stat(i["kv_address"], timeout_s=10))["blobs"]) for i in prefills)
 
 
 def test_a_dead_vllm_server_stops_its_instance(up: tuple[str, Any]) -> None:

@@ -9,9 +9,10 @@ The reference is the local route: the decode instance's vLLM server alone, greed
   vLLM recomputes the same tokens;
 - a relay that stops (SIGSTOP: a link that black-holes) while a request is in flight, and a relay killed
   (SIGKILL: the link reset; ``prfaas up`` restarts it): the request ends in the same tokens (vLLM recomputes what
-  it could not pull), bounded in time, and the next one is remote again;
+  it could not pull), bounded in time, its ``prfaas`` field says the prompt was prefilled locally (``route:
+  local``, ``fallback``), and the next one is remote again;
 - the prefill instance's vLLM server killed mid-request: the router falls back to local prefill, same tokens;
-  nothing of the dead server is left;
+  the instance stops (exit 1) and ``prfaas up`` restarts it; nothing of the dead server is left;
 - no blob is left in the relay's or the producer's store, no process of the deployment is left.
 
 Skips only where vLLM's CPU build is not installed (``make vllm``). One deployment for the module: about 3-5
@@ -37,15 +38,15 @@ from typing import Any
 import httpx
 import pytest
 
+from prfaas import tls as tls_contexts
 from prfaas.config import TLSConfig
 from prfaas.errors import KVUnauthorized, PrfaasError
 from prfaas.kv.format import BlobReader, BlobWriter
 from prfaas.kv.kvid import new_kv_id
 from prfaas.security import certs, local
-from prfaas.security import tls as tls_contexts
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
-from tests.services.deploy import alive, deployment, descendants, tls_dir
+from tests.services.deploy import alive, deployment, descendants, line_saying, tls_dir
 from tests.transfer.helpers import fill
 from tests.vllm.servers import INSTALLED, StoreThread
 
@@ -212,6 +213,12 @@ def _assert_exact_or_clear_error(up: Up, outcome: Outcome) -> None:
     assert outcome.error["code"] in ERROR_CODES, outcome
 
 
+def _assert_prefilled_locally(outcome: Outcome) -> None:
+    """A 200 whose prompt decode did not get the KV of (recomputed, or the router's local prefill) says so."""
+    if outcome.status == 200 and outcome.error is None:
+        assert outcome.extension["route"] == "local" and outcome.extension["fallback"], outcome.extension
+
+
 def _assert_remote_exact(up: Up) -> None:
     outcome = _ask(up, stream=False)
     print(f"\n  -> remote, no fault: HTTP {outcome.status} in {outcome.seconds:.1f} s")
@@ -260,7 +267,8 @@ def test_remote_over_tls_is_exact_and_not_recomputed(up: Up) -> None:
     before = _prompt_sources(decode_port)
     _assert_remote_exact(up)
     after = _prompt_sources(decode_port)
-    assert after["external_kv_transfer"] - before.get("external_kv_transfer", 0) == len(up.token_ids) - 1
+    # decode's prompt is the prompt and the first token prefill sampled: every prompt token came from the blob
+    assert after["external_kv_transfer"] - before.get("external_kv_transfer", 0) == len(up.token_ids)
     _assert_no_blob_left(up)
 
 
@@ -336,6 +344,7 @@ def test_a_relay_that_stops_mid_request(up: Up) -> None:
     finally:
         os.kill(relay, signal.SIGCONT)
     _assert_exact_or_clear_error(up, outcome)
+    _assert_prefilled_locally(outcome)
     _wait_relay_healthy(up)
     _assert_no_blob_left(up)
     _assert_remote_exact(up)
@@ -345,6 +354,7 @@ def test_a_relay_killed_mid_request(up: Up) -> None:
     relay = _role(up.proc, "relay")
     outcome = _during(lambda: os.kill(relay, signal.SIGKILL), up, stream=True)
     _assert_exact_or_clear_error(up, outcome)
+    _assert_prefilled_locally(outcome)
     _wait_relay_healthy(up, not_pid=relay)  # prfaas up restarted it
     _assert_no_blob_left(up)
     _assert_remote_exact(up)
@@ -356,8 +366,9 @@ def test_a_prefill_vllm_killed_mid_request(up: Up) -> None:
     _assert_no_blob_left(up)
     outcome = _during(lambda: os.kill(server, signal.SIGKILL), up)
     _assert_exact_or_clear_error(up, outcome)
-    if outcome.status == 200:
-        assert outcome.extension["route"] == "local" and outcome.extension["fallback"], outcome.extension
+    _assert_prefilled_locally(outcome)
+    line = line_saying(up.proc, "prefill prefill-0 exited with code 1", HEAL_S)  # fail()'s code, not SIGINT's
+    assert "restarting" in line, line
     deadline = time.monotonic() + 30
     while left := [p for p in engine if alive(p)]:
         assert time.monotonic() < deadline, f"the dead vLLM server left processes behind: {left}"

@@ -10,7 +10,10 @@ import sys
 
 import pytest
 
+from prfaas.events import Done, Stages, Token, generate_event
+from prfaas.messages import GenerateRequest, SamplingParams
 from prfaas.vllm.server import parse_load
+from prfaas.vllm.serving import known_first, recomputed_tokens
 
 SERVE_S = 60.0
 
@@ -45,3 +48,25 @@ def test_load_is_read_from_vllms_metrics() -> None:
             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
     load = parse_load(text)
     assert (load.waiting, load.running, load.kv_usage) == (3, 2, 0.25)
+
+
+def test_a_recomputed_prompt_is_counted_from_vllms_usage() -> None:
+    """vLLM's final usage (``--enable-prompt-tokens-details``) says how many prompt tokens it restored; the rest
+    but the last one (always computed) it recomputed, and decode's ``done`` tells the router so."""
+    assert recomputed_tokens({"prompt_tokens": 341, "prompt_tokens_details": {"cached_tokens": 340}}) == 0
+    assert recomputed_tokens({"prompt_tokens": 341, "prompt_tokens_details": {"cached_tokens": 0}}) == 340
+    assert recomputed_tokens({"prompt_tokens": 341}) == 0  # a vLLM that does not say: taken as restored
+    done = generate_event(Done(finish_reason="length", completion_tokens=8, recomputed=340).encode())
+    assert isinstance(done, Done) and done.recomputed == 340
+
+
+FAST = {"request_id": "r", "token_ids": [5, 6, 7], "max_tokens": 4, "kv_id": "k", "kv_address": "127.0.0.1:1",
+        "first_token": 42, "first_text": " yes", "kv_tokens": 3}
+
+
+def test_prefills_first_token_is_streamed_at_once_only_where_it_is_exact() -> None:
+    assert known_first(GenerateRequest(**FAST)) == Token(token=42, text=" yes", stages=Stages(decode_ms=0.0))
+    for change in ({"first_token": -1}, {"kv_id": ""}, {"kv_tokens": 2},  # not known; local; blob short of it
+                   {"stop": ["\n"]}, {"sampling": SamplingParams(temperature=0.7, seed=1)}, {"step_offset": 2},
+                   {"first_text": " caf\ufffd"}):
+        assert known_first(GenerateRequest(**{**FAST, **change})) is None, change
