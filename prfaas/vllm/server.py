@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from prfaas.errors import InvalidRequest, KVUnavailable
 from prfaas.services.supervisor import die_with_parent
@@ -184,13 +185,16 @@ class VllmServer:
 def parse_load(text: str) -> Load:
     """``Load`` from vLLM's Prometheus text (one engine: the first sample of each gauge)."""
     found: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
-            found.setdefault(name, float(line.rsplit(" ", 1)[1]))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in _LOAD_GAUGES:
+                found.setdefault(sample.name, sample.value)
     return Load(waiting=int(found.get("vllm:num_requests_waiting", 0)),
                 running=int(found.get("vllm:num_requests_running", 0)),
                 kv_usage=found.get("vllm:kv_cache_usage_perc", 0.0))
+
+
+_LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 
 def _signal_group(pid: int, signum: int) -> None:
