@@ -9,16 +9,12 @@ as their main module) get them too:
   dies with SIGILL. A value already set (a CUDA machine) is kept;
 - vLLM's processes hand each step over a shared-memory queue whose reader, after any read, spins (``sched_yield``
   in a loop) for a whole second before it sleeps on the queue's notification socket (``SpinCondition``'s
-  ``busy_loop_s``). On a CPU server that spin takes a core away from the forward pass it waits for, and after
-  each request the worker spins on for a second: a prefill server that has just answered takes a core from the
-  decode server beside it while that one computes the first token (``benchmarks/vllm_spin.py``: a median of
-  0.44-0.70 CPU-seconds in the second after each answer, 0.02-0.03 after the fix; D's first token after P's
-  answer 1,339 ms against 114 ms in one run). With the CPU build the reader sleeps at once
-  (``PRFAAS_VLLM_SPIN_S``, seconds, default 0 there; vLLM's own 1 s on other builds unless set). Sleeping at
-  once exposes a lost wake-up in that queue (by all signs its notification socket, high-water mark 1, drops a
-  ping while an older one is still in flight; the reader then sleeps until its 5 s recheck: 3 of 8 first tokens
-  took 5.3 s), so the recheck
-  becomes ``RECHECK_MS``: a lost ping costs at most that, an idle reader wakes 200 times a second for nothing.
+  ``busy_loop_s``). On a CPU server that spin takes a core from the forward pass it waits for, and from a decode
+  server beside a prefill server that has just answered (figures: docs/vllm.md, ``benchmarks/vllm_spin.py``).
+  With the CPU build the reader sleeps at once (``PRFAAS_VLLM_SPIN_S``, seconds, default 0 there; vLLM's own 1 s
+  on other builds unless set). Sleeping at once exposes a lost wake-up in that queue (by all signs its
+  notification socket drops a ping while an older one is in flight, and the reader sleeps until its 5 s
+  recheck), so the recheck becomes ``RECHECK_MS``: a lost ping costs at most that.
 
 Everything else — arguments, ``--kv-transfer-config`` with ``PrfaasConnector`` — is vLLM's.
 """
@@ -51,7 +47,7 @@ def _version_with_cpu_build(distribution_name: str) -> str:
 
 
 def patch_for_cpu_build() -> bool:
-    """Apply both fixes when only the CPU build is installed; returns whether it is."""
+    """Apply the first two fixes when only the CPU build is installed; returns whether it is."""
     if _has("vllm") or not _has(CPU_DISTRIBUTION):
         return False
     metadata.version = _version_with_cpu_build
@@ -76,9 +72,19 @@ def shorten_reader_spin(seconds: float) -> bool:
     return True
 
 
+def _spin_seconds() -> float:
+    try:
+        seconds = float(os.environ.get(SPIN_ENV, "0"))
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise SystemExit(f"{SPIN_ENV} must be seconds between 0 and 60, not {os.environ[SPIN_ENV]!r}")
+    return seconds
+
+
 _cpu_build = patch_for_cpu_build()
 if SPIN_ENV in os.environ or _cpu_build:
-    shorten_reader_spin(float(os.environ.get(SPIN_ENV, "0")))
+    shorten_reader_spin(_spin_seconds())
 
 
 def main(argv: list[str] | None = None) -> None:
