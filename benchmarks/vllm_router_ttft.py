@@ -7,23 +7,39 @@ Stages, one after the other (a vLLM server here takes about 4 GB):
    Each sample is two requests, alternating: as a client sends it (the decode instance streams prefill's first
    token at once: ``remote``), and the same with a stop string that never occurs, which keeps decode's vLLM
    computing the first token again after the pull, as before prfaas passed it on (``remote_recompute_first``;
-   the same text).
+   the same text). After each sample the same prompt goes straight to the decode instance's own vLLM server
+   (``beside_remote``): vLLM without prfaas's path, with the same neighbours at the same moment, so that the
+   machine's drift between stages does not enter the comparison.
 2. The same deployment with its prefill instance drained (``/admin/drain/prefill-0``): every prompt local, the
-   decode's vLLM prefilling it (``local``).
-3. vLLM alone (``tests/vllm/servers.py``, the instance's flags): without a KV connector (``vllm``), and with
-   ``PrfaasConnector`` loaded as a consumer that is never sent a blob (``vllm_with_connector``): on this machine
-   the first is much slower (about 870 against 460 ms for these prompts, cause not found), so the goal is taken
-   against the faster of the two.
-Every request: a distinct prompt of about 460 tokens (prefix caching is off everywhere), greedy, streaming,
+   decode's vLLM prefilling it (``local``), each sample followed by the same prompt straight to that vLLM
+   (``beside_local``).
+   Between the two, the hops on their own (``hops``), on one keep-alive connection each as the router holds
+   them: the decode instance's ``/tokenize`` of a prompt (through its vLLM's), its ``/generate`` of a one-token
+   answer whose token prefill already sampled (streamed at once; the blob it names does not exist, so it only
+   releases), and the router's ``/health``.
+3. vLLM alone (``tests/vllm/servers.py``, the instance's flags, the same launcher): without a KV connector
+   (``vllm``), and with ``PrfaasConnector`` loaded as a consumer that is never sent a blob
+   (``vllm_with_connector``). Both on the OpenMP threads the instances' servers get (``CONNECTOR_CPUS``: vLLM
+   reserves one CPU more where a connector is configured, which on 2 CPUs means two OpenMP threads instead of
+   one); the goal is taken against the faster of the two.
+4. P's cost of saving: one vLLM server with ``PrfaasConnector`` as a producer keeping blobs in its own store, each
+   prompt sent plain, then as the router's prefill requests are (saved); once with the connector's ``overlap``
+   ``layers`` (each layer encoded while later ones compute) and once ``step`` (after the step: the CPU default).
+Every request: a prompt of about 460 tokens, distinct per sample (prefix caching is off everywhere), greedy, streaming,
 ``max_tokens`` 4, one at a time with a pause between; TTFT is the client's, from sending to the first chunk with
-text. Reports median, min–max and quartiles per stage, the router's ``prfaas`` stages for the remote ones, and the
-goal (TTFT overhead over vLLM alone within max(5 %, 1 RTT + 10 ms); RTT here is loopback, taken as 0). Writes JSON
-with the machine's provenance (CPU model, ISA flags, load average) and the load average before each stage.
+text. Reports median, min–max and quartiles per stage; per request of the deployment, the time outside its
+engine's prefill (``outside_ms``: TTFT − the router's ``stages.prefill_ms`` on the remote routes, the time P's
+instance waited for its vLLM; TTFT − ``stages.decode_ms`` on the local one, decode's wait for its vLLM's first
+token); and the goal (TTFT overhead over vLLM alone within max(5 %, 1 RTT + 10 ms); RTT here is loopback, taken
+as 0), against vLLM alone and, paired sample by sample, against the vLLM beside (``over_beside_ms``). Writes
+JSON with the machine's provenance (CPU model, ISA flags, load average) and the load average before
+each stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -36,8 +52,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.bench.provenance import provenance
-from tests.services.deploy import deployment
-from tests.vllm.servers import INSTALLED, start, stop, wait_healthy
+from prfaas.kv import Fingerprint
+from prfaas.kv.kvid import new_kv_id
+from prfaas.messages import GenerateRequest, SamplingParams
+from prfaas.transfer import client as transfer
+from tests.services.deploy import deployment, free_port
+from tests.vllm.servers import CONNECTOR_CPUS, INSTALLED, Server, deployed_servers, start, stop, wait_healthy
 
 MODEL = "smollm2-135m"
 SENTENCES = 33  # about 460 tokens of SmolLM2's tokenizer
@@ -45,6 +65,8 @@ MAX_TOKENS = 4
 PAUSE_S = 1.0
 NEVER = "\u2603never\u2603"  # a stop string no answer here contains
 DRAIN_S = 120.0
+DEPLOYED = ("remote", "remote_recompute_first", "local")
+OVERLAPS = ("layers", "step")  # the connector's overlap: each layer sent while later ones compute, or after the step
 
 
 def prompt(seed: int) -> str:
@@ -56,7 +78,9 @@ def ttft(url: str, seed: int, **extra: Any) -> dict[str, Any]:
     """One streaming completion: the client's TTFT, the prompt's tokens and the router's ``prfaas`` field."""
     body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
-    started, first, text, meta, usage = time.perf_counter(), None, "", {}, {}
+    started, first, text = time.perf_counter(), None, ""
+    meta: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
@@ -71,15 +95,57 @@ def ttft(url: str, seed: int, **extra: Any) -> dict[str, Any]:
     if first is None:
         raise RuntimeError(f"{url} streamed no text")
     time.sleep(PAUSE_S)
+    stages = meta.get("stages") or {}
+    engine = stages.get("prefill_ms") if meta.get("route") == "remote" else stages.get("decode_ms")
     return {"ttft_ms": round(first, 1), "prompt_tokens": usage.get("prompt_tokens"), "text": text,
-            "route": meta.get("route"), "stages": meta.get("stages")}
+            "route": meta.get("route"), "stages": meta.get("stages"),
+            "outside_ms": None if engine is None else round(first - engine, 1)}
 
 
-def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    values = sorted(s["ttft_ms"] for s in samples)
+def spread(values: list[float]) -> dict[str, Any]:
+    values = sorted(values)
     quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
     return {"n": len(values), "median_ms": round(statistics.median(values), 1), "min_ms": values[0],
             "max_ms": values[-1], "q1_ms": round(quartiles[0], 1), "q3_ms": round(quartiles[2], 1)}
+
+
+def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    row = spread([s["ttft_ms"] for s in samples])
+    outside = [s["outside_ms"] for s in samples if s.get("outside_ms") is not None]
+    return {**row, "outside_median_ms": round(statistics.median(outside), 1)} if outside else row
+
+
+def timed(call: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    started = time.perf_counter()
+    answer = call(*args, **kwargs)
+    return round((time.perf_counter() - started) * 1e3, 2), answer
+
+
+def generate_known_first(client: httpx.Client, decode: dict[str, Any], body: GenerateRequest) -> str:
+    """``/generate``'s first line: the token prefill sampled, which the decode instance streams at once."""
+    with client.stream("POST", f"{decode['url']}/generate", json=body.to_json()) as reply:
+        return next(reply.iter_lines())
+
+
+def hops(url: str, samples: int) -> dict[str, dict[str, Any]]:
+    """Each hop the routes take besides the engines' work, alone, on one keep-alive connection per instance."""
+    instances = {i["role"]: i for i in httpx.get(f"{url}/admin/instances", timeout=30).json()}
+    decode, prefill = instances["decode"], instances["prefill"]
+    kv_id = f"{Fingerprint.from_wire(decode['fingerprint']).short_hash()}-0-{'a' * 20}"  # no such blob
+    out: dict[str, list[float]] = {"tokenize": [], "generate_known_first": [], "router_health": []}
+    with httpx.Client(timeout=60) as client:
+        for i in range(samples):
+            ms, reply = timed(client.post, f"{decode['url']}/tokenize", json={"prompt": prompt(i)})
+            ids = [int(t) for t in reply.json()["token_ids"]]
+            out["tokenize"].append(ms)
+            body = GenerateRequest(request_id=f"hop-{i}", token_ids=ids, max_tokens=1,
+                                   sampling=SamplingParams(temperature=0), kv_id=kv_id,
+                                   kv_address=prefill["kv_address"], first_token=ids[-1], first_text="x",
+                                   kv_tokens=len(ids))
+            out["generate_known_first"].append(timed(generate_known_first, client, decode, body)[0])
+            out["router_health"].append(timed(client.get, f"{url}/health")[0])
+            time.sleep(0.2)
+    return {name: spread(values) for name, values in out.items()}
 
 
 def drain_prefill(url: str) -> None:
@@ -91,35 +157,97 @@ def drain_prefill(url: str) -> None:
         time.sleep(0.5)
 
 
-def deployed(mode: str, samples: int, loads: dict[str, list[float]]) -> dict[str, list[dict[str, Any]]]:
-    """The remote and local stages of one deployment; ``loads`` gets the load average before each."""
-    out: dict[str, list[dict[str, Any]]] = {"remote": [], "remote_recompute_first": [], "local": []}
-    with deployment(MODEL, mode, threshold=0, extra=("--engine", "vllm", "--dtype", "float32")) as (url, _):
+def deployed(mode: str, samples: int, loads: dict[str, list[float]],
+             hop_rows: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The remote and local stages of one deployment, each sample followed by the same prompt sent straight to the
+    decode instance's own vLLM server (``beside_remote``, ``beside_local``: vLLM without prfaas's path, with the
+    same neighbours at the same moment); ``loads`` gets the load average before each, ``hop_rows`` the hops."""
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in (*DEPLOYED, "beside_remote", "beside_local")}
+    with deployment(MODEL, mode, threshold=0, extra=("--engine", "vllm", "--dtype", "float32")) as (url, proc):
+        (port,) = deployed_servers(proc.pid, "kv_consumer").values()
+        beside = f"http://127.0.0.1:{port}"
         ttft(url, 999)  # warm-up: the first request of a vLLM server pays one-off costs
+        ttft(beside, 999)
         loads["remote"] = list(os.getloadavg())
         for i in range(samples):
             out["remote"].append(ttft(url, i))
             out["remote_recompute_first"].append(ttft(url, i, stop=[NEVER]))
+            out["beside_remote"].append(ttft(beside, i))
+        hop_rows.update(hops(url, samples))
         drain_prefill(url)
         ttft(url, 998)
         loads["local"] = list(os.getloadavg())
-        out["local"] = [ttft(url, i) for i in range(samples)]
+        for i in range(samples):
+            out["local"].append(ttft(url, i))
+            out["beside_local"].append(ttft(beside, i))
     return out
+
+
+def alone_server(role: str | None, extra: dict[str, Any] | None = None) -> Server:
+    """SmolLM2 on vLLM alone, with the flags prfaas's instance gives its child and its OpenMP threads
+    (``CONNECTOR_CPUS``); ``role``: ``PrfaasConnector``'s, with ``extra`` (None: no connector)."""
+    from prfaas.engine import models
+
+    args = ("--max-model-len", "4096", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details")
+    return start(models.smollm2_dir(), role, extra, name=MODEL, args=args, env=CONNECTOR_CPUS)
 
 
 def alone(samples: int, connector: bool) -> list[dict[str, Any]]:
     """vLLM alone with the flags prfaas's instance gives its child; ``connector``: ``PrfaasConnector`` loaded as a
     consumer that no request names a blob to."""
-    from prfaas.engine import models
-
-    args = ("--max-model-len", "4096", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details")
-    server = start(models.smollm2_dir(), "kv_consumer" if connector else None, name=MODEL, args=args)
+    server = alone_server("kv_consumer" if connector else None)
     try:
         wait_healthy([server])
         ttft(server.url, 999)
         return [ttft(server.url, i) for i in range(samples)]
     finally:
         stop(server)
+
+
+def producer(samples: int, overlap: str) -> dict[str, list[dict[str, Any]]]:
+    """P's cost of saving, on one vLLM server with ``PrfaasConnector`` as a producer keeping blobs in its own store
+    (``overlap``: when it encodes each saved layer): each prompt plain (``producer_plain_<overlap>``), then saved
+    as the router's prefill requests are (``producer_saving_<overlap>``; the blob expires unread)."""
+    extra = {"kv_address": f"127.0.0.1:{free_port()}", "overlap": overlap}
+    server = alone_server("kv_producer", extra)
+    out: dict[str, list[dict[str, Any]]] = {f"producer_plain_{overlap}": [], f"producer_saving_{overlap}": []}
+    try:
+        wait_healthy([server])
+        ttft(server.url, 999, kv_transfer_params={"do_remote_decode": True, "kv_id": new_kv_id("0" * 12)})
+        for i in range(samples):
+            out[f"producer_plain_{overlap}"].append(ttft(server.url, i))
+            params = {"do_remote_decode": True, "kv_id": new_kv_id("0" * 12)}
+            out[f"producer_saving_{overlap}"].append(ttft(server.url, i, kv_transfer_params=params))
+        store = asyncio.run(transfer.stat(extra["kv_address"]))
+        if store["blobs"] + store["deleted"] < samples + 1:
+            raise RuntimeError(f"the producer saved {store['blobs'] + store['deleted']} blobs of {samples + 1}")
+        return out
+    finally:
+        stop(server)
+
+
+def beside_goal(stages: dict[str, list[dict[str, Any]]], name: str, allowance: float) -> dict[str, Any]:
+    """Stage ``name`` against the decode's own vLLM server asked the same prompt right after each sample: the
+    median of the paired differences, and whether it is within ``allowance``."""
+    base = stages["beside_local" if name == "local" else "beside_remote"]
+    paired = statistics.median(s["ttft_ms"] - b["ttft_ms"] for s, b in zip(stages[name], base, strict=True))
+    return {"over_beside_ms": round(paired, 1), "met_beside": paired <= allowance}
+
+
+def saving_cost(stages: dict[str, list[dict[str, Any]]], overlap: str) -> dict[str, Any]:
+    """Saving's TTFT cost on the producer: the median of (saved − plain) over the same prompts."""
+    pairs = zip(stages[f"producer_saving_{overlap}"], stages[f"producer_plain_{overlap}"], strict=True)
+    return {"overlap": overlap, "paired_median_ms": round(statistics.median(s["ttft_ms"] - p["ttft_ms"]
+                                                                            for s, p in pairs), 1)}
+
+
+def tables(rows: dict[str, Any], goal: dict[str, Any], hop_rows: dict[str, Any],
+           loads: dict[str, list[float]]) -> dict[str, list[dict[str, Any]]]:
+    """The summaries as lists of records, one per stage and one per hop (what docs/benchmarks.md shows)."""
+    stages = [{"stage": name, **row, **goal.get(name, {}),
+               "load_average_1m": loads.get("remote" if name.startswith("remote") else name, [None])[0]}
+              for name, row in rows.items()]
+    return {"stages": stages, "hop_times": [{"hop": name, **row} for name, row in hop_rows.items()]}
 
 
 def main() -> None:
@@ -132,10 +260,14 @@ def main() -> None:
         raise SystemExit("vLLM's CPU build is not installed: run `make vllm`")
     meta = provenance()
     loads: dict[str, list[float]] = {}
-    stages = deployed(args.mode, args.samples, loads)
+    hop_rows: dict[str, Any] = {}
+    stages = deployed(args.mode, args.samples, loads, hop_rows)
     for name, connector in (("vllm", False), ("vllm_with_connector", True)):
         loads[name] = list(os.getloadavg())
         stages[name] = alone(args.samples, connector)
+    for overlap in OVERLAPS:
+        loads[f"producer_{overlap}"] = list(os.getloadavg())
+        stages.update(producer(args.samples, overlap))
     texts = {name: [s["text"] for s in rows] for name, rows in stages.items()}
     rows = {name: summary(samples) for name, samples in stages.items()}
     baselines = ("vllm", "vllm_with_connector")
@@ -143,16 +275,23 @@ def main() -> None:
     allowance = max(0.05 * mono, 10.0)  # 1 RTT (loopback: ~0) + 10 ms
     goal = {name: {"overhead_ms": round(r["median_ms"] - mono, 1), "allowance_ms": round(allowance, 1),
                    "met": r["median_ms"] - mono <= allowance, "over_local_ms": round(r["median_ms"] -
-                                                                                      rows["local"]["median_ms"], 1)}
-            for name, r in rows.items() if name not in baselines}
+                                                                                      rows["local"]["median_ms"], 1),
+                   **beside_goal(stages, name, allowance)}
+            for name, r in rows.items() if name in DEPLOYED}
     result = {"provenance": meta, "mode": args.mode, "max_tokens": MAX_TOKENS, "load_average": loads,
-              "same_text": all(texts[name] == texts["vllm"] for name in texts), "rows": rows, "goal": goal,
-              "samples": stages}
+              "same_text": all(texts[name] == texts["vllm"] for name in texts),
+              **tables(rows, goal, hop_rows, loads),
+              "saving_cost": [saving_cost(stages, overlap) for overlap in OVERLAPS], "samples": stages}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for name, r in rows.items():
         extra = f"  overhead {goal[name]['overhead_ms']:+.1f} ms" if name in goal else ""
+        extra += f"  outside the engine {r['outside_median_ms']} ms" if "outside_median_ms" in r else ""
         print(f"{name:24} median {r['median_ms']:8.1f} ms  ({r['min_ms']}–{r['max_ms']}){extra}")
+    for name, r in hop_rows.items():
+        print(f"hop {name:20} median {r['median_ms']:8.1f} ms  ({r['min_ms']}–{r['max_ms']})")
+    for cost in result["saving_cost"]:
+        print(f"saving on the producer, overlap {cost['overlap']:6}: {cost['paired_median_ms']:+.1f} ms (paired)")
     print(f"same text as vLLM alone: {result['same_text']}; load average {loads}")
 
 

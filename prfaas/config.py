@@ -19,6 +19,7 @@ import yaml
 
 from prfaas.errors import InvalidRequest
 from prfaas.limits import WireLimits
+from prfaas.tenancy.clusters import parse_clusters
 from prfaas.tenancy.policy import Tenants
 from prfaas.tls import TLSConfig
 
@@ -108,6 +109,13 @@ class RouterConfig:
     decode_queue_timeout_ms: int = 10000
     pools: dict[str, float] = field(default_factory=dict)  # model name or pool key → traffic weight (canary)
     pool_weights_file: str = ""  # the router keeps admin weight changes here across restarts; "" = memory only
+    cluster: str = ""  # this router's client cluster of a shared prefill pool (an entry of `clusters`); "" = none
+    offload_policy: str = "threshold"  # threshold | cost (docs/scheduling.md); the threshold is cost's floor
+    link_share: float = 0.7  # the share of a link's bandwidth KV may use (the 70 % rule, online)
+    link_bandwidth_bps: float = 1e9  # each link's provisioned bandwidth, until its transfers show less
+    prefill_profile: str = ""  # speed profile (`prfaas measure`) of remote prefill, for the cost model
+    local_profile: str = ""  # speed profile of local prefill on decode instances, for the cost model
+    adaptive_codec: dict[str, Any] = field(default_factory=dict)  # link-adaptive lossy codecs; {} = off
     slo: SLOConfig = field(default_factory=SLOConfig)
 
     def __post_init__(self) -> None:
@@ -120,19 +128,31 @@ class RouterConfig:
             (self.decode_queue_timeout_ms >= 0, "decode_queue_timeout_ms must be ≥ 0"),
             (self.rate_limit_qps > 0, "rate_limit_qps must be positive"),
             (all(w >= 0 for w in self.pools.values()), "pools: every weight must be ≥ 0"),
+            (self.offload_policy in ("threshold", "cost"), "offload_policy must be threshold or cost"),
+            (0 < self.link_share <= 1, "link_share must be within (0, 1]"),
+            (self.link_bandwidth_bps > 0, "link_bandwidth_bps must be positive"),
         ])
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """How a prefill pass is cut and batched (``prefill_chunk_tokens`` also bounds decode's local prefill)."""
+    """How a prefill pass is cut and batched (``prefill_chunk_tokens`` also cuts decode's local prefill while other
+    sequences run on that instance)."""
 
     prefill_chunk_tokens: int = 512
     prefill_max_batch: int = 8  # prompts per batched prefill forward pass
     prefill_batch_tokens: int = 2048  # padded tokens per batched prefill forward pass
+    prefix_cache_mb: int = 0  # the engine's prefix cache (docs/prefix-cache.md), on prefill and decode; 0 = off
+    prefix_cache_ttl_s: float = 600.0  # a cached prefix is deleted this long after its store (hits do not extend it)
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache_mb * 1024 * 1024
 
     def __post_init__(self) -> None:
         _refuse_unless([
+            (self.prefix_cache_mb >= 0, "prefix_cache_mb must be ≥ 0 (0: no prefix cache)"),
+            (1 <= self.prefix_cache_ttl_s <= 86400, "prefix_cache_ttl_s must be within 1–86400"),
             (self.prefill_chunk_tokens >= 0, "prefill_chunk_tokens must be ≥ 0 (0: no chunking)"),
             (1 <= self.prefill_max_batch <= 256, "prefill_max_batch must be within 1–256"),
             (self.prefill_batch_tokens >= 1, "prefill_batch_tokens must be at least 1"),
@@ -169,7 +189,7 @@ class CommonConfig:
 
 SECTIONS: dict[str, type] = {"transfer": TransferConfig, "store": StoreConfig, "router": RouterConfig,
                              "prefill": PrefillConfig, "decode": DecodeConfig, "common": CommonConfig}
-WHOLE = ("tls", "limits", "tenants")  # keys that are a value of the root itself, shared by several roles
+WHOLE = ("tls", "limits", "tenants", "clusters")  # keys that are a value of the root itself, shared by several roles
 SECTION_OF: dict[str, str] = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
 
 
@@ -204,6 +224,7 @@ class Config:
     tls: TLSConfig = field(default_factory=TLSConfig)
     limits: WireLimits = field(default_factory=WireLimits)  # what parsers accept (prfaas.limits)
     tenants: dict[str, Any] = field(default_factory=dict)  # tenant name → policy (prfaas.tenancy.policy)
+    clusters: dict[str, Any] = field(default_factory=dict)  # client cluster → entry (prfaas.tenancy.clusters)
 
     # Flat read-only aliases (see _Flat); every key of every section has one.
     kv_transfer_timeout_ms = _Flat[int]("transfer")
@@ -235,10 +256,19 @@ class Config:
     decode_queue_timeout_ms = _Flat[int]("router")
     pools = _Flat[dict[str, float]]("router")
     pool_weights_file = _Flat[str]("router")
+    cluster = _Flat[str]("router")
+    offload_policy = _Flat[str]("router")
+    link_share = _Flat[float]("router")
+    link_bandwidth_bps = _Flat[float]("router")
+    prefill_profile = _Flat[str]("router")
+    local_profile = _Flat[str]("router")
+    adaptive_codec = _Flat[dict[str, Any]]("router")
     slo = _Flat[SLOConfig]("router")
     prefill_chunk_tokens = _Flat[int]("prefill")
     prefill_max_batch = _Flat[int]("prefill")
     prefill_batch_tokens = _Flat[int]("prefill")
+    prefix_cache_mb = _Flat[int]("prefill")
+    prefix_cache_ttl_s = _Flat[float]("prefill")
     decode_max_batch = _Flat[int]("decode")
     datacenter = _Flat[str]("common")
     api_keys = _Flat[tuple[Any, ...]]("common")
@@ -250,6 +280,7 @@ class Config:
         _refuse_unless([(self.transfer.chunk_bytes <= self.limits.max_chunk_bytes,
                          "chunk_size_kb must not exceed limits.max_chunk_bytes")])
         Tenants.from_config(self.tenants)  # every tenant's policy within its limits, or refuse the config
+        parse_clusters(self.clusters)  # every client cluster's entry within its limits (the router checks its own)
 
     def replace(self, **changes: Any) -> Config:
         """A copy with the flat-key ``changes`` applied (flags over the file); ``None`` values are ignored."""
@@ -268,16 +299,17 @@ class Config:
         for name in SECTIONS:
             out.update(dataclasses.asdict(getattr(self, name)))
         return out | {"tls": dataclasses.asdict(self.tls), "limits": dataclasses.asdict(self.limits),
-                      "tenants": self.tenants}
+                      "tenants": self.tenants, "clusters": self.clusters}
 
     def digest(self) -> str:
         """12 hex digits over the keys every instance of a deployment should share (not the per-host
-        ``datacenter``, ``tls`` paths or ``api_keys``): `prfaas admin check` compares them across instances."""
+        ``datacenter``, ``tls`` paths, ``api_keys`` or a pool's ``clusters``, whose keys each router holds only its own
+        of): `prfaas admin check` compares them across instances."""
         import hashlib
         import json
 
         shared = {k: v for k, v in self.to_dict().items()
-                  if k not in ("datacenter", "tls", "api_keys", "store_key_file", "redis_ca")}
+                  if k not in ("datacenter", "tls", "api_keys", "store_key_file", "redis_ca", "clusters", "cluster")}
         return hashlib.sha256(json.dumps(shared, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -341,9 +373,12 @@ def from_dict(data: dict[str, Any]) -> Config:
         _check_types(values)
         if not isinstance(values.get("tenants") or {}, dict):
             raise InvalidRequest("config: tenants must be a mapping of tenant name to policy")
+        if not isinstance(values.get("clusters") or {}, dict):
+            raise InvalidRequest("config: clusters must be a mapping of cluster name to its entry")
         sections = {name: cls(**{k: v for k, v in values.items() if SECTION_OF.get(k) == name})
                     for name, cls in SECTIONS.items()}
         return Config(**sections, tls=_nested(TLSConfig, values.get("tls")),
-                      limits=_nested(WireLimits, values.get("limits")), tenants=values.get("tenants") or {})
+                      limits=_nested(WireLimits, values.get("limits")), tenants=values.get("tenants") or {},
+                      clusters=values.get("clusters") or {})
     except TypeError as exc:
         raise InvalidRequest(f"config: {exc}") from exc

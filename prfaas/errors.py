@@ -2,6 +2,8 @@
 
     PrfaasError                      code            HTTP  retryable
     ├── KVNotFound                   KV_NOT_FOUND     503   yes (re-prefill)
+    │   └── KVPrefixMissing          KV_PREFIX_MISSING
+    │                                                 503   yes  (a suffix blob's prefix is not held: resend whole)
     ├── KVExpired                    KV_EXPIRED       503   yes (re-prefill)
     ├── KVTimeout                    KV_TIMEOUT       504   yes
     ├── KVCorrupt                    KV_CORRUPT       502   yes (fetch again)
@@ -14,6 +16,8 @@
     ├── KVUnavailable                KV_UNAVAILABLE   503   yes (another instance)
     │   └── InstanceUnreachable      KV_UNAVAILABLE   503   yes  (an instance the router called, by id)
     ├── RateLimited                  RATE_LIMITED     429   yes (after Retry-After)
+    │   └── PoolQuotaExceeded        POOL_QUOTA_EXCEEDED
+    │                                                 429   yes  (a client cluster over its quota in the prefill pool)
     ├── RequestTimeout               REQUEST_TIMEOUT  408   no   (an HTTP request head or body too slow to arrive)
     ├── InvalidRequest               INVALID_REQUEST  400   no   (bad input from a user or a file)
     │   ├── ModelNotFound            model_not_found  404   no   (a model this deployment does not serve)
@@ -55,6 +59,13 @@ class KVNotFound(PrfaasError):
     code = "KV_NOT_FOUND"
     http_status = 503
     retryable = True
+
+
+class KVPrefixMissing(KVNotFound):
+    """A suffix-only blob extends a cached prefix the decode instance no longer holds (evicted, or never
+    stored there): the router sends the request once more with a whole blob."""
+
+    code = "KV_PREFIX_MISSING"
 
 
 class KVExpired(PrfaasError):
@@ -132,6 +143,13 @@ class RateLimited(PrfaasError):
         self.retry_after_s = retry_after_s
 
 
+class PoolQuotaExceeded(RateLimited):
+    """A client cluster is over its quota in a prefill instance (in-flight prompt tokens or tokens/s,
+    ``prfaas.tenancy.clusters``): told at once, so its router prefills locally instead of queueing."""
+
+    code = "POOL_QUOTA_EXCEEDED"
+
+
 class RequestTimeout(PrfaasError):
     """An HTTP request's head or body did not arrive within its read timeout (``prfaas.security.readtimeout``)."""
 
@@ -191,9 +209,9 @@ class LabUnavailable(PrfaasError):
 _BY_CODE: dict[str, type[PrfaasError]] = {
     cls.code: cls
     for cls in (
-        KVNotFound, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
-        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, RequestTimeout, InvalidRequest,
-        ModelNotFound, ContextLengthExceeded, PromptRefused,
+        KVNotFound, KVPrefixMissing, KVExpired, KVTimeout, KVCorrupt, KVTruncated, KVBadFormat, KVIncompatible,
+        KVUnauthorized, KVTooLarge, KVStoreFull, KVUnavailable, RateLimited, PoolQuotaExceeded, RequestTimeout,
+        InvalidRequest, ModelNotFound, ContextLengthExceeded, PromptRefused,
     )
 }
 

@@ -3,7 +3,7 @@ KV itself travels on the binary data plane (``prfaas.transfer``). Each message v
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, TypeVar
 
 from prfaas import fields as check
@@ -16,7 +16,9 @@ T = TypeVar("T", bound="Message")
 # The messages' wire version: bumped with every field added to a message. A peer at a higher version may send
 # fields this one does not know (they are its optional additions, dropped here); from a peer at this version or
 # below, an unknown field is a mistake and is refused. So either side of a hop may be upgraded first.
-WIRE_VERSION = 2  # 2: GenerateRequest's first_token, first_text, kv_tokens
+WIRE_VERSION = 4  # 2: GenerateRequest's first_token, first_text, kv_tokens; 3: InstanceInfo's tcp_peers and
+# prefix_blocks, GenerateRequest's tenant, ResponseMeta's kv_codec; 4: PrefillRequest's prefix_hash and
+# prefix_tokens, ResponseMeta's kv_prefix_tokens
 WIRE_KEY = "wire"
 
 
@@ -30,7 +32,7 @@ class Message:
     nested: ClassVar[dict[str, type[Message]]] = {}
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), WIRE_KEY: WIRE_VERSION}
+        return {**plain(self), WIRE_KEY: WIRE_VERSION}
 
     @classmethod
     def from_json(cls: type[T], data: Any, wire: int | None = None) -> T:
@@ -49,6 +51,24 @@ class Message:
             return cls(**typed)
         except TypeError as exc:  # a required field is missing
             raise InvalidRequest(f"bad {cls.__name__}: {exc}") from exc
+
+
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def plain(value: Any) -> Any:
+    """``dataclasses.asdict`` without its ``copy.deepcopy`` of every leaf (milliseconds for a long prompt's token
+    ids, paid on every hop of a request): containers and dataclasses are rebuilt, the immutable leaves messages
+    hold (numbers, strings, booleans, None) are shared."""
+    if type(value) in _LEAVES:
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(v if type(v) in _LEAVES else plain(v) for v in value)
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in fields(value)}
+    return value
 
 
 def _nested(kind: type[Message], value: Any, name: str, wire: int) -> Message:
@@ -91,6 +111,36 @@ class SamplingParams(Message):
         return self.temperature == 0.0
 
 
+MAX_TCP_PEERS = 16  # TCP records in one heartbeat (``prfaas.transfer.stats.MAX_PEERS`` keeps as many)
+MAX_RTT_MS = 600_000.0
+
+
+@dataclass(frozen=True)
+class TcpPeer(Message):
+    """``TCP_INFO`` of an instance's data-plane connections to one peer data address (``HOST:PORT``): the last
+    connection's smoothed RTT and the retransmitted segments summed (``prfaas.transfer.stats``). A decode instance
+    reports the stores it pulled from, a prefill instance the relays it pushed to."""
+
+    peer: str
+    rtt_ms: float = 0.0
+    retransmits: int = 0
+
+    def __post_init__(self) -> None:
+        check.text(self.peer, "peer", 300)
+        object.__setattr__(self, "rtt_ms", check.number(self.rtt_ms, "rtt_ms", 0.0, MAX_RTT_MS))
+        check.integer(self.retransmits, "retransmits", 0, 1 << 62)
+
+
+def _tcp_peers(value: Any) -> list[TcpPeer]:
+    """``InstanceInfo.tcp_peers`` rebuilt typed: a list of at most ``MAX_TCP_PEERS`` records, or ``InvalidRequest``."""
+    if not isinstance(value, list) or len(value) > MAX_TCP_PEERS:
+        raise InvalidRequest(f"'tcp_peers' must be a list of at most {MAX_TCP_PEERS} records", "tcp_peers")
+    return [item if isinstance(item, TcpPeer) else TcpPeer.from_json(item, WIRE_VERSION) for item in value]
+
+
+MAX_PREFIX_BLOCKS = 4096  # held blocks a heartbeat may name (senders keep fewer: prfaas.kv.prefix.SUMMARY_BLOCKS)
+
+
 @dataclass(frozen=True)
 class InstanceInfo(Message):
     """What an instance registers with the router, and refreshes with every heartbeat."""
@@ -112,6 +162,9 @@ class InstanceInfo(Message):
     ready: bool = True
     draining: bool = False  # finishing what it holds: placement gives it nothing new (prfaas.services.drain)
     config_hash: str = ""  # Config.fingerprint() of the instance's config, compared by `prfaas admin check`
+    tcp_peers: list[TcpPeer] = field(default_factory=list)  # the router's per-link RTT (scheduler/links.py)
+    # held prefix blocks (prfaas.kv.prefix.summary_key), most recent first: cache-aware placement (placement.py)
+    prefix_blocks: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         """A heartbeat's fields have their JSON types, or ``InvalidRequest`` (400): the registry, the scheduler and
@@ -126,6 +179,10 @@ class InstanceInfo(Message):
         check.boolean(self.draining, "draining")
         if not isinstance(self.fingerprint, dict):
             raise InvalidRequest("'fingerprint' must be a JSON object", "fingerprint")
+        object.__setattr__(self, "tcp_peers", _tcp_peers(self.tcp_peers))
+        check.strings(self.prefix_blocks, "prefix_blocks", MAX_PREFIX_BLOCKS)
+        if any(len(key) != 16 for key in self.prefix_blocks):
+            raise InvalidRequest("'prefix_blocks' must hold 16-hex-digit block hashes", "prefix_blocks")
 
     def kv_bytes(self, tokens: int) -> int:
         """Expected KV bytes of a sequence of ``tokens`` on this instance (an upper bound for windowed layers)."""
@@ -149,15 +206,24 @@ class PrefillRequest(Message):
     tenant: str = ""  # whose blob: the store's records carry it (prfaas.tenancy)
     kv_codec: str = ""  # the tenant's codec override; "" = the prefill's kv_codec
     kv_ttl_seconds: float = 0.0  # the tenant's TTL override for the blob; 0 = the store's
+    # the decode instance holds the prompt's first prefix_tokens (a block boundary), whose last block's chain hash
+    # under its salt is prefix_hash (32 hex digits): ship only the rest (docs/prefix-cache.md); 0: the whole prompt
+    prefix_hash: str = ""
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "kv_id", "push_to", "tenant", "kv_codec"):
+        for name in ("request_id", "kv_id", "push_to", "tenant", "kv_codec", "prefix_hash"):
             check.text(getattr(self, name), name)
         check.token_ids(self.token_ids, "token_ids")
         _check_sampling(self.sampling)
         check.integer(self.deadline_ms, "deadline_ms", 0, 1 << 62)
         check.integer(self.format_version, "format_version", 0, 1 << 16)
         check.number(self.kv_ttl_seconds, "kv_ttl_seconds", 0.0, float(1 << 32))
+        check.integer(self.prefix_tokens, "prefix_tokens", 0, max(0, len(self.token_ids) - 1))
+        if bool(self.prefix_tokens) != bool(self.prefix_hash) or (self.prefix_hash and (
+                len(self.prefix_hash) != 32 or set(self.prefix_hash) - set("0123456789abcdef"))):
+            raise InvalidRequest("prefix_hash must be 32 hex digits exactly when prefix_tokens is set",
+                                 "prefix_hash")
 
 
 @dataclass(frozen=True)
@@ -182,9 +248,10 @@ class GenerateRequest(Message):
     first_token: int = -1
     first_text: str = ""
     kv_tokens: int = 0
+    tenant: str = ""  # whose prompt: a local prefill reuses only this tenant's cached prefixes
 
     def __post_init__(self) -> None:
-        for name in ("request_id", "kv_id", "kv_address", "first_text"):
+        for name in ("request_id", "kv_id", "kv_address", "first_text", "tenant"):
             check.text(getattr(self, name), name)
         check.integer(self.first_token, "first_token", -1, 1 << 31)
         check.integer(self.kv_tokens, "kv_tokens", 0, MAX_TOKENS)
@@ -237,6 +304,8 @@ class ResponseMeta:
     ttft_ms: float | None = None
     stages: Stages | None = None
     resumed_on: str | None = None
+    kv_codec: str | None = None  # a lossy codec the router chose for this request's link (docs/scheduling.md)
+    kv_prefix_tokens: int | None = None  # the blob was suffix-only: it extended this many tokens decode held
 
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}

@@ -22,14 +22,17 @@ class TokenBucket:
         self._tokens = self.burst
         self._at = clock()
 
-    def take(self) -> float:
+    def take(self, amount: float = 1.0) -> float:
+        """Take ``amount`` tokens (a request: 1; prompt tokens: their count). An amount over ``burst`` goes from a
+        full bucket and leaves it in debt, so that no amount waits for ever."""
         now = self.clock()
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
+        need = min(amount, self.burst)
+        if self._tokens >= need:
+            self._tokens -= amount
             return 0.0
-        return (1.0 - self._tokens) / self.rate
+        return (need - self._tokens) / self.rate
 
     @staticmethod
     def retry_after(wait_s: float) -> int:

@@ -107,3 +107,32 @@ def gone_error(kv_id: str, reason: str | None) -> PrfaasError:
         return KVUnavailable(f"KV store shut down; blob {kv_id} is gone")
     what = {RELEASED: "was released", EVICTED: "was evicted"}.get(reason or "", "is unknown to this store")
     return KVNotFound(f"KV blob {kv_id} {what}")
+
+
+# A tenant's cached prompt prefix (``prfaas.engine.prefix_records``): stored, then deleted for one of these reasons.
+PREFIX_STORED, PREFIX_DELETED = "prefix_stored", "prefix_deleted"
+TENANT_DELETED = "tenant_deleted"
+PREFIX_REASONS = (EVICTED, EXPIRED, TENANT_DELETED, SHUTDOWN)
+
+
+@dataclass(frozen=True)
+class PrefixRecord:
+    """One event of one *entry*, the blocks a single store of a prompt's prefix added to an instance's prefix
+    cache: ``kind`` ``prefix_stored`` (``tokens``, ``bytes`` and ``blocks`` added) or ``prefix_deleted`` (those
+    removed, and why: ``reason``; ``left_tokens`` of the entry still cached after it). ``entry`` is a random id,
+    ``tenant`` the one whose salt named the blocks; times are unix milliseconds. Never token ids, text, block
+    hashes or KV bytes: the audit log says where a tenant's prefixes are and when they went, not what they were."""
+
+    kind: str
+    entry: str
+    tenant: str
+    tokens: int
+    bytes: int
+    blocks: int
+    created_ms: int
+    at_ms: int
+    reason: str = ""
+    left_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

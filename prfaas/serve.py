@@ -22,7 +22,8 @@ serve_app = typer.Typer(help="Run one role of a deployment.", no_args_is_help=Tr
 CONFIG = typer.Option(None, "--config", help="YAML config (default: $PRFAAS_CONFIG)")
 THRESHOLD = typer.Option(None, "--offload-threshold", help="prompts longer than this many tokens go to remote prefill "
                          "(default: the config's offload_threshold_tokens, 256 when unset)")
-ROUTER = typer.Option(..., "--router", help="the router's URL, e.g. http://10.0.0.1:8000")
+ROUTER = typer.Option(..., "--router", help="the router's URL, e.g. http://10.0.0.1:8000; repeat it to register with "
+                      "several routers (a prefill pool serving several client clusters, docs/pool.md)")
 HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU or GPU "
@@ -31,10 +32,11 @@ ENGINE = typer.Option("prfaas", "--engine", help="prfaas (the embedded engine) |
                       "instance's engine, from .venv-vllm: `make vllm`; docs/vllm.md)")
 
 
-def _config(path: str | None, threshold: int | None, datacenter: str | None = None) -> Config:
+def _config(path: str | None, threshold: int | None, datacenter: str | None = None,
+            cluster: str | None = None) -> Config:
     from prfaas.security.apikeys import check_config_file
 
-    config = load_config(path, offload_threshold_tokens=threshold, datacenter=datacenter)
+    config = load_config(path, offload_threshold_tokens=threshold, datacenter=datacenter, cluster=cluster)
     check_config_file(path, config)
     return config
 
@@ -44,22 +46,25 @@ def router(host: str = HOST, port: int = typer.Option(8000, "--port", help="the 
            mode: str = typer.Option("relay", "--mode", help="relay | direct"),
            config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD,
            insecure: bool = typer.Option(False, "--insecure", help="serve a non-loopback address without API keys "
-                                         "or TLS")) -> None:
+                                         "or TLS"),
+           cluster: str | None = typer.Option(None, "--cluster", help="this router's client cluster of a shared "
+                                              "prefill pool: an entry of the config's clusters (docs/pool.md)")
+           ) -> None:
     """The OpenAI-compatible router (datacenter B)."""
     from prfaas.services.router import run_router
 
-    run_router(_config(config, offload_threshold), host, port, mode, insecure=insecure)
+    run_router(_config(config, offload_threshold, cluster=cluster), host, port, mode, insecure=insecure)
 
 
-def _instance(role: str, router_url: str, instance_id: str, datacenter: str, model: str, dtype: str, host: str,
+def _instance(role: str, router_urls: list[str], instance_id: str, datacenter: str, model: str, dtype: str, host: str,
               port: int, kv_port: int, config: str | None, offload_threshold: int | None,
               advertise_kv: str = "", engine: str = "prfaas") -> None:
     from prfaas.services.instance import InstanceOptions
     from prfaas.services.roles import run_role
 
     options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
-                              router_url=router_url, host=host, port=port, kv_port=kv_port, model=model, dtype=dtype,
-                              advertise_kv=advertise_kv, engine=engine)
+                              router_url=router_urls[0], routers=tuple(router_urls[1:]), host=host, port=port,
+                              kv_port=kv_port, model=model, dtype=dtype, advertise_kv=advertise_kv, engine=engine)
     run_role(options, _config(config, offload_threshold, datacenter or None), _build)
 
 
@@ -92,7 +97,7 @@ def _vllm_role(options: InstanceOptions, config: Config) -> RoleServer:
 
 
 def _role_command(role: str, default_dc: str, help_text: str) -> None:
-    def command(router_url: str = ROUTER,
+    def command(router_url: list[str] = ROUTER,
                 instance_id: str = typer.Option("", "--instance-id", help=f"this instance's id in the router's "
                                                 f"registry (default: {role}-PORT)"),
                 datacenter: str = typer.Option(default_dc, "--datacenter", help="the datacenter label it registers "
@@ -124,15 +129,20 @@ def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="rel
        config: str | None = CONFIG, dtype: str = DTYPE, engine: str = ENGINE,
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
                                 "(`prfaas lab up` first)"),
+       lab_index: int | None = typer.Option(None, "--lab-index", min=0, help="with --lab: the numbered lab of "
+                                            "`Topology.numbered(N)` (namespaces pfl<N>-*, as benchmarks build) "
+                                            "instead of the default one"),
        tls: bool = typer.Option(False, "--tls", help="mutual TLS 1.3 everywhere, with certificates made in a "
                                 "temporary directory"),
        max_restarts: int = typer.Option(10, "--max-restarts", min=0, help="a role that fails is restarted with "
                                         "back-off; give up on it after this many failures in a row (0: never "
-                                        "restart)")) -> None:
+                                        "restart)"),
+       clusters: int = typer.Option(1, "--clusters", min=1, help="client clusters sharing one prefill pool, each "
+                                    "its own router (on --port + i), relay and decode (docs/pool.md)")) -> None:
     """Run a whole deployment on this machine (each role its own process on 127.0.0.1) until SIGINT/SIGTERM."""
     from prfaas.services.up import UpOptions, run_up
 
     load_config(config)  # fail fast on a bad file, before any process starts
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
                      offload_threshold=offload_threshold, config=config, dtype=dtype, engine=engine,
-                     lab=lab, tls=tls, max_restarts=max_restarts))
+                     lab=lab, lab_index=lab_index, tls=tls, max_restarts=max_restarts, clusters=clusters))

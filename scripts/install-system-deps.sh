@@ -11,6 +11,7 @@ PACKAGES=(
   redis-server  # prfaas store: the Redis backend's tests start their own redis-server
   iperf3     # benchmarks/transport.py: the wire's ceiling
   libibverbs1  # benchmarks/transport.py: Mooncake's transfer engine will not import without it
+  libtcmalloc-minimal4  # benchmarks/engine.py: the tcmalloc preload vLLM's CPU docs recommend for vLLM
   openssl    # prfaas bench transfer --tls, TLS tests: throw-away certificates
   prometheus  # deploy/prometheus: `promtool test rules` on the alert rules (tests/test_alerts.py)
 )

@@ -41,8 +41,12 @@ CHANGED = {
     "success_rate_threshold": 0.5, "offload_threshold_tokens": 9, "fallback_local_prefill": False,
     "decode_queue_limit": 3, "decode_queue_timeout_ms": 7, "pools": {"m": 2.0}, "pool_weights_file": "w.json",
     "slo": {"ttft_p99_ms": 1.0}, "prefill_chunk_tokens": 64, "prefill_max_batch": 2, "prefill_batch_tokens": 99,
+    "prefix_cache_mb": 8,
+    "prefix_cache_ttl_s": 30.0,
     "decode_max_batch": 4, "datacenter": "dc-b", "api_keys": ["k" * 32], "heartbeat_interval_ms": 100,
     "heartbeat_timeout_ms": 900, "drain_timeout_ms": 5,
+    "offload_policy": "cost", "link_share": 0.5, "link_bandwidth_bps": 1e10, "prefill_profile": "p.json",
+    "local_profile": "l.json", "adaptive_codec": {"min_agreement": 0.99}, "cluster": "east",
 }
 
 
@@ -52,7 +56,7 @@ def test_every_flat_key_lands_in_its_frozen_section(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(CHANGED))
     config = load_config(path)
     assert config.transfer == TransferConfig(900, 5, 4, 256, "msgpack", "xxhash64", "none", 3, "fp8")
-    assert config.prefill == PrefillConfig(64, 2, 99) and config.decode == DecodeConfig(4)
+    assert config.prefill == PrefillConfig(64, 2, 99, 8, 30.0) and config.decode == DecodeConfig(4)
     assert config.router.slo == SLOConfig(ttft_p99_ms=1.0) and config.router.pools == {"m": 2.0}
     assert config.store.store_budget_bytes == 64 * 1024 * 1024 and config.transfer.chunk_bytes == 256 * 1024
     assert config.common.api_keys == ("k" * 32,)
@@ -87,6 +91,8 @@ def test_flat_keys_on_the_root_are_read_only() -> None:
     ({"kv_ttl_seconds": 30}, "kv_ttl_seconds must be within 60–300"),
     ({"heartbeat_interval_ms": 5000}, "heartbeat_timeout_ms must exceed"),
     ({"decode_max_batch": 0}, "decode_max_batch must be within"),
+    ({"prefix_cache_mb": -1}, "prefix_cache_mb must be ≥ 0"),
+    ({"prefix_cache_ttl_s": 0}, "prefix_cache_ttl_s must be within 1–86400"),
     ({"chunk_size_kb": 1024, "limits": {"max_chunk_bytes": 65536}}, "must not exceed limits.max_chunk_bytes"),
 ])
 def test_bad_input_is_refused_naming_the_key(data: dict[str, object], message: str) -> None:

@@ -1,4 +1,4 @@
-"""``prfaas admin drain|drain-router|check|weight|rollout|recommend``: operator commands against a running router.
+"""``prfaas admin drain|drain-router|check|weight|rollout|recommend|links``: operator commands against a running router.
 
 Every command takes ``--router``, where the router has API keys ``--api-key`` (or ``$PRFAAS_API_KEY``), and for an
 ``https://`` router whose CA is not in the system's store ``--ca`` (or ``$PRFAAS_CA``); the key is sent as a bearer
@@ -176,22 +176,26 @@ def rollout(to: str = typer.Argument(..., help="the new pool: its key, or a mode
 def recommend(profile: Path = typer.Option(..., "--profile", exists=True, dir_okay=False,
                                            help="speed profile JSON from `prfaas measure`"),
               link: str = typer.Option("10gbit", "--link", help="measured available bandwidth between datacenters"),
-              router: str = ROUTER, api_key: str | None = API_KEY, ca: str | None = CA,
-              signals: Path | None = typer.Option(None, "--signals", exists=True, dir_okay=False,
-                                                  help="a saved /admin/signals JSON instead"),
+              routers: list[str] = typer.Option(["http://127.0.0.1:8000"], "--router", help="the router's URL; "
+                                                "repeat it for each client cluster of a shared prefill pool"),
+              api_key: str | None = API_KEY, ca: str | None = CA,
+              signals: list[Path] = typer.Option([], "--signals", exists=True, dir_okay=False,
+                                                 help="a saved /admin/signals JSON instead (repeatable)"),
               utilisation: float = typer.Option(0.7, "--utilisation", min=0.01, max=1.0,
                                                 help="target load of each instance"),
               budget: str = typer.Option("500ms", "--local-prefill-budget", help="longest prefill left to decode"),
               as_json: bool = JSON) -> None:
-    """Recommended prefill:decode instance counts and offload threshold from the router's live signals."""
+    """Recommended prefill:decode instance counts and offload threshold from the router's live signals (a shared
+    prefill pool: from the sum of its client clusters' signals, one --router or --signals per cluster)."""
+    from prfaas.admin.recommend import combine, render
     from prfaas.admin.recommend import recommend as advise
-    from prfaas.admin.recommend import render
     from prfaas.plan.profile import SpeedProfile
     from prfaas.units import parse_duration, parse_rate
 
     speeds, link_bps, budget_s = SpeedProfile.from_file(str(profile)), parse_rate(link), parse_duration(budget)
-    data = _json_file(signals) if signals else RouterClient(router, api_key, ca=ca).get("/admin/signals")
-    advice = advise(data, speeds, link_bps, target_utilisation=utilisation, local_prefill_budget_s=budget_s)
+    clients = [_json_file(path) for path in signals] if signals else [
+        RouterClient(router, api_key, ca=ca).get("/admin/signals") for router in routers]
+    advice = advise(combine(clients), speeds, link_bps, target_utilisation=utilisation, local_prefill_budget_s=budget_s)
     typer.echo(render(advice))
     if as_json:
         typer.echo(json.dumps(advice.to_json()))
@@ -202,3 +206,21 @@ def _json_file(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise AdminError(f"cannot read {path}: {exc}") from None
+
+
+@app.command()
+@refusals
+def links(router: str = ROUTER, api_key: str | None = API_KEY, ca: str | None = CA, as_json: bool = JSON) -> None:
+    """Each (prefill datacenter, decode datacenter) link: bandwidth estimate, KV bytes routed and in flight,
+    utilisation, TCP RTT and retransmissions, health (``GET /admin/links``)."""
+    reply = RouterClient(router, api_key, ca=ca).get("/admin/links")
+    for link in reply["links"]:
+        health = f"degraded ({link['reason']})" if link["degraded"] else "healthy"
+        typer.echo(f"{link['link']}: {link['bandwidth_bps'] / 1e9:.2f} Gbit/s estimated, "
+                   f"{link['sent_bytes'] / 2**20:.1f} MiB routed, {link['inflight_bytes'] / 2**20:.1f} MiB in flight, "
+                   f"utilisation {link['utilisation']:.0%}, RTT {link['rtt_ms']:.3f} ms, "
+                   f"{link['retransmits']} retransmits, {health}")
+    if not reply["links"]:
+        typer.echo("no link has carried a request yet")
+    if as_json:
+        typer.echo(json.dumps(reply))

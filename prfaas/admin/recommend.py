@@ -12,6 +12,11 @@ decode instances prefills longer than ``local_prefill_budget_s`` (a long local p
 instance: the interference disaggregation exists to remove). The answer is the threshold with the fewest instances
 (ties: less egress). Pure function; ``InvalidRequest`` when there is no
 traffic in the window or the profile lacks prefill timings.
+
+A prefill pool shared by several client clusters (docs/pool.md) is sized from the sum of its clients' demand:
+``combine`` merges the signals of every cluster's router into one (the decode figure is then the clusters'
+total, each cluster sizing its own share of it; the egress check is the pool's total egress against ``link_bps``,
+the pool's uplink).
 """
 
 from __future__ import annotations
@@ -56,6 +61,36 @@ def recommend(signals: dict[str, Any], profile: SpeedProfile, link_bps: float, l
     return Advice(best["t"], best["prefill"], best["decode"], round(best["p"], 4), best["egress"],
                   round(best["egress"] / link_bps, 4) if link_bps else 0.0,
                   tuple(_reasons(signals, best, link_bps * link_share)))
+
+
+def combine(clients: list[dict[str, Any]]) -> dict[str, Any]:
+    """One pool's signals from the signals of each client cluster's router: demand adds up (arrivals, prompt
+    lengths, KV egress, decode instances and their queues), the prefill instances are the same ones seen by
+    every router (the largest count), rates and means are weighted by each cluster's requests."""
+    if len(clients) == 1:
+        return clients[0]
+    requests = [float(c.get("requests", 0)) for c in clients]
+    total = sum(requests) or 1.0
+    lengths: dict[str, float] = {}
+    for client in clients:
+        for length, count in (client.get("prompt_lengths") or {}).items():
+            lengths[length] = lengths.get(length, 0.0) + float(count)
+    return {
+        "window_s": max(float(c.get("window_s", 0)) for c in clients), "requests": int(sum(requests)),
+        "arrival_rps": sum(float(c.get("arrival_rps", 0)) for c in clients),
+        "offload_fraction": sum(float(c.get("offload_fraction", 0)) * n for c, n in zip(clients, requests,
+                                                                                         strict=True)) / total,
+        "prefill_queue_wait_s": max(float(c.get("prefill_queue_wait_s", 0)) for c in clients),
+        "decode_queue_depth": sum(int(c.get("decode_queue_depth", 0)) for c in clients),
+        "decode_free_kv_bytes": sum(int(c.get("decode_free_kv_bytes", 0)) for c in clients),
+        "kv_egress_bps": sum(float(c.get("kv_egress_bps", 0)) for c in clients),
+        "mean_output_tokens": sum(float(c.get("mean_output_tokens", 0)) * n for c, n in zip(clients, requests,
+                                                                                             strict=True)) / total,
+        "prompt_lengths": lengths,
+        "instances": {"prefill": max(int((c.get("instances") or {}).get("prefill", 0)) for c in clients),
+                      "decode": sum(int((c.get("instances") or {}).get("decode", 0)) for c in clients)},
+        "offload_threshold_tokens": max(int(c.get("offload_threshold_tokens", 0)) for c in clients),
+        "clusters": len(clients)}
 
 
 def _size(dist: LengthDist, t: int, rate: float, profile: SpeedProfile, decode_s: float, kv: Any, link_bps: float,

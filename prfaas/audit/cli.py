@@ -1,6 +1,7 @@
-"""``prfaas audit verify FILE...`` and ``prfaas audit report FILE... [--kv-id ID]``: check deletion/access logs
-and answer "was blob X deleted, when, why, and who accessed it". ``--json`` prints one JSON object on the last
-line. ``verify`` exits 1 when any chain is broken."""
+"""``prfaas audit verify FILE...`` and ``prfaas audit report FILE... [--kv-id ID | --prefixes [--tenant T]]``:
+check deletion/access logs and answer "was blob X deleted, when, why, and who accessed it" and "where are tenant
+T's cached prefixes, and when and why were they deleted". ``--json`` prints one JSON object on the last line.
+``verify`` exits 1 when any chain is broken."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import typer
 
+from prfaas.audit.prefix import prefix_report
 from prfaas.audit.report import blob_story, entries, summary
 from prfaas.audit.verify import Verdict, verify
 
@@ -34,11 +36,20 @@ def verify_cmd(files: list[Path] = FILES, as_json: bool = JSON) -> None:
 
 @app.command("report")
 def report_cmd(files: list[Path] = FILES, kv_id: str = typer.Option("", "--kv-id", help="one blob's story"),
+               prefixes: bool = typer.Option(False, "--prefixes", help="where each tenant's cached prefixes are, "
+                                             "and their deletions (the instances' <instance>-prefix logs)"),
+               tenant: str = typer.Option("", "--tenant", help="only this tenant's cached prefixes (implies "
+                                          "--prefixes)"),
                as_json: bool = JSON) -> None:
-    """Was blob X deleted, when and why, and who accessed it; without ``--kv-id``, a summary of the logs."""
+    """Was blob X deleted, when and why, and who accessed it; where a tenant's cached prefixes live and when and
+    why they were deleted; without ``--kv-id`` or ``--prefixes``, a summary of the logs."""
     found = entries(list(files))
-    result = blob_story(found, kv_id) if kv_id else summary(found)
-    typer.echo(_story_text(result) if kv_id else _summary_text(result))
+    if prefixes or tenant:
+        result = prefix_report(found, tenant)
+        typer.echo(_prefix_text(result, tenant))
+    else:
+        result = blob_story(found, kv_id) if kv_id else summary(found)
+        typer.echo(_story_text(result) if kv_id else _summary_text(result))
     if as_json:
         typer.echo(json.dumps(result))
 
@@ -84,3 +95,17 @@ def _summary_text(s: dict[str, Any]) -> str:
         f"accesses by who: {s['accesses_by_who']}",
         "blob lifetime: " + (f"p50 {life['p50']} ms, p99 {life['p99']} ms, max {life['max']} ms" if life else "-"),
     ])
+
+
+def _prefix_text(report: dict[str, Any], tenant: str) -> str:
+    if not report["tenants"]:
+        return f"tenant {tenant}: no cached prefixes in these logs" if tenant else "no cached prefixes in these logs"
+    lines = []
+    for name, row in report["tenants"].items():
+        lines.append(f"tenant {name or '(none)'}:")
+        lines += [f"  cached on {instance} ({w['datacenter'] or 'unlabelled'}): {w['tokens']} tokens, {w['bytes']} "
+                  f"bytes in {w['entries']} entries" for instance, w in row["live"].items()] or ["  cached nowhere"]
+        lines += [f"  deleted {_when(d['at_ms'])} on {d['instance']} ({d['datacenter'] or 'unlabelled'}), "
+                  f"{d['reason']}: {d['tokens']} tokens, {d['bytes']} bytes, stored {_when(d['created_ms'])}"
+                  + (f" ({d['detail']})" if d.get("detail") else "") for d in row["deletions"]]
+    return "\n".join(lines)

@@ -48,37 +48,58 @@ def _cols(*names: str) -> tuple[tuple[str, str], ...]:
 
 
 PY = ".venv/bin/python "
-ENGINE = View("decode throughput", "rows", _cols(
-    "model", "system", "concurrency", "tokens_per_s", "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms",
-    "cpu_s_per_1k_tokens", "loadavg_before", "loadavg_after"))
+ENGINE = View("decode throughput (median over the rounds, with min and max)", "rows", _cols(
+    "model", "system", "concurrency", "rounds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+    "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "cpu_s_per_1k_tokens", "loadavg_before", "loadavg_after",
+    "overloaded"))
+SERVING = View("TTFT against the in-process engine (ms, medians and quartiles)", "rows", _cols(
+    "prompt_tokens", "config", "samples", "ttft_ms", "ttft_ms_q1", "ttft_ms_q3", "vs_engine_ms", "vs_engine",
+    "goal_met", "beyond_prefill_ms", "exposed_transfer_ms", "kv_bytes", "stages.prefill_ms", "stages.restore_ms",
+    "e2e_ms"))
 SOURCES: dict[str, Source] = {
     "engine.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py"),
-    "engine-rerun.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py --models "
-                                "smollm2-135m --concurrency 8,32 --out benchmarks/results/engine-rerun.json"),
-    "engine-c32.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py --models "
-                              "smollm2-135m --concurrency 32 --out benchmarks/results/engine-c32.json"),
     "kv_codecs.json": Source("benchmarks/kv_codecs.py", (
         View("blob bytes per request", "sizes", _cols("model", "seq_len", "fixed_bytes", "none", "bf16", "fp8",
                                                       "int8", "int4")),
         View("codec speed", "speed", _cols("codec", "raw_bytes", "blob_bytes", "encode_gbps", "decode_gbps")),
         View("lossy KV quality (teacher-forced)", "quality", _cols("codec", "token_agreement", "mean_kl", "steps")),
     ), PY + "benchmarks/kv_codecs.py"),
-    "serving.json": Source("benchmarks/serving.py", (View("serving latency (ms, medians)", "rows", _cols(
-        "prompt_tokens", "config", "ttft_ms", "beyond_prefill_ms", "exposed_transfer_ms", "kv_bytes",
-        "stages.prefill_ms", "stages.restore_ms", "e2e_ms")),), PY + "benchmarks/serving.py"),
+    "serving.json": Source("benchmarks/serving.py", (SERVING,), PY + "benchmarks/serving.py"),
+    "serving-remote.json": Source("benchmarks/serving.py", (SERVING,)),
     "transport.json": Source("benchmarks/transport.py", (
-        View("goodput (best round)", "rows", _cols("path", "tool", "streams", "gbps", "vs_iperf3", "vs_ceiling",
-                                                   "rounds_gbps", "push_gbps")),
+        View("goodput (median of equal samples, quartiles, range)", "rows", _cols(
+            "path", "tool", "streams", "samples", "gbps", "gbps_q1", "gbps_q3", "gbps_min", "gbps_max", "vs_iperf3",
+            "vs_ceiling", "cpu_s_per_gb", "push_gbps")),
         View("TLS cost", "tls_cost", _cols("path", "streams", "goodput_ratio", "vs_tls_copy", "plain_cpu_s_per_gb",
                                            "tls_cpu_s_per_gb", "tls_copy_cpu_s_per_gb")),
     ), PY + "benchmarks/transport.py --size 256MiB --size-1g 64MiB --repeat 3"),
-    "scheduler.json": Source("benchmarks/scheduler.py", (View("simulated cluster", "rows", _cols(
-        "load", "policy", "threshold", "offload_fraction", "throughput_rps", "ttft_p50_s", "ttft_p99_s")),),
+    "scheduler.json": Source("benchmarks/scheduler.py", (
+        View("online cost model against fixed thresholds (throughput ratios)", "summary", _cols(
+            "bandwidth_gbps", "load", "link", "best_fixed", "best_fixed_rps", "online_rps", "online_vs_best_fixed",
+            "online_share1_vs_best_fixed", "online_vs_tuned_fixed")),
+        View("simulated cluster", "rows", _cols(
+            "bandwidth_gbps", "load", "link", "policy", "threshold", "offload_fraction", "throughput_rps",
+            "ttft_p50_s", "ttft_p99_s", "link_gbps"))),
         PY + "benchmarks/scheduler.py --requests 3000"),
     "tenancy.json": Source("benchmarks/tenancy.py", documented=PY + "benchmarks/tenancy.py"),
+    "chunk_attention.json": Source("benchmarks/chunk_attention.py"),
     "lab_probe.json": Source("benchmarks/lab_probe.py", (View("what the lab delivers", "rows", _cols(
         "case", "measured.bandwidth_bps", "measured.rtt_p50_ms", "measured.rtt_p99_ms", "measured.jitter_ms",
         "measured.loss", "measured.mtu")),), PY + "benchmarks/lab_probe.py"),
+    "lab_clusters.json": Source("benchmarks/lab_clusters.py", (
+        View("links (asked, measured by the probe, carried during the run)", "links", _cols(
+            "link", "rate_asked", "rtt_asked_ms", "bandwidth_measured_bps", "rtt_measured_p50_ms",
+            "rtt_measured_p99_ms", "wan_bytes_during_run")),
+        View("clusters (TTFT in ms)", "clusters", _cols(
+            "cluster", "link", "requests", "failed", "remote", "local", "ttft_p50_ms", "ttft_p99_ms",
+            "router_ttft_p50_ms", "router_ttft_p99_ms", "queue_p50_ms", "prefill_p50_ms", "transfer_p50_ms",
+            "kv_bytes", "local_reasons")),
+        View("fair share: cluster 1 (one request at a time) while cluster 0 keeps 1 or 10x as many in flight (ms)",
+             "fair_share_rows", _cols(
+                 "phase", "cluster_0_in_flight", "cluster_0_requests_per_s", "cluster_0_failed", "requests",
+                 "failed", "remote", "ttft_p50_ms", "ttft_p99_ms", "pool_ttft_p50_ms", "pool_ttft_p99_ms",
+                 "queue_p99_ms", "prefill_p50_ms", "transfer_p50_ms", "wall_s")),
+    ), PY + "benchmarks/lab_clusters.py"),
     "matmul_dtype.json": Source("benchmarks/matmul_dtype.py", documented=PY + "benchmarks/matmul_dtype.py"),
     "upgrade.json": Source("benchmarks/upgrade.py", documented=PY + "benchmarks/upgrade.py --hold 3"),
     "vllm_pd.json": Source("benchmarks/vllm_pd.py", (
@@ -89,7 +110,53 @@ SOURCES: dict[str, Source] = {
                                      "decode_ratio", "tpot_ratio", "decode_goal_met")),
     ), PY + "benchmarks/vllm_pd.py --repeats 3 --min-requests 3 --max-tokens 32 --level-timeout-s 150"),
     "vllm_spin.json": Source("benchmarks/vllm_spin.py"),
-    "vllm_router_ttft.json": Source("benchmarks/vllm_router_ttft.py"),
+    "http_keepalive.json": Source("benchmarks/http_keepalive.py", (View("a request on a kept-alive connection (ms)",
+        "rows", _cols("socket_protocol", "request", "n", "median_ms", "min_ms", "max_ms")),)),
+    "prefix_cache.json": Source("benchmarks/prefix_cache.py", (View("multi-turn chat, per turn (medians over the "
+                                                                    "conversations)", "rows", _cols(
+        "model", "turn", "prompt_tokens", "computed_tokens", "plain_ms", "cached_ms", "speedup", "answers_equal",
+        "cache_mib")),)),
+    "multiturn_lab.json": Source("benchmarks/multiturn_lab.py", (
+        View("per turn: medians over the conversations, TTFT percentiles over them (ms)", "rows", _cols(
+            "model", "mode", "cache_mb", "turn", "requests", "failed", "remote", "local", "prompt_tokens", "new_tokens",
+            "computed_tokens", "kv_bytes", "wan_bytes", "ttft_p50_ms", "ttft_p99_ms", "router_ttft_p50_ms",
+            "prefill_p50_ms", "transfer_p50_ms", "answers_equal")),
+        View("goals from the third turn on: cached against uncached, and against the cached second turn", "goals",
+             _cols("model", "mode", "turn", "prompt_tokens", "new_tokens", "ttft_p50_ms", "ttft_p50_ms_without",
+                   "ttft_speedup", "ttft_goal_met", "wan_bytes", "wan_bytes_without", "wan_bytes_per_new_token",
+                   "wan_vs_turn2", "kv_vs_turn2", "new_vs_turn2", "prompt_vs_turn2", "wan_goal_met", "kv_goal_met")),
+        View("deployments", "runs", _cols("model", "mode", "cache_mb", "dtype", "up_s", "wall_s",
+                                          "idle_wan_bytes_per_s", "loadavg_before_run", "loadavg_after")),
+    ), PY + "benchmarks/multiturn_lab.py"),
+    "planner_lab.json": Source("benchmarks/planner_lab.py", (
+        View("per setting: plan link on the probe's JSON against the mix served remote (transfer stage and exposed "
+             "transfer in ms, error = (plan - measured) / measured)", "rows", (
+                 ("rate", "rate"), ("RTT ms", "rtt_ms"), ("loss %", "loss_pct"),
+                 ("probe bit/s", "probe.bandwidth_bps"), ("probe RTT", "probe.rtt_p50_ms"),
+                 ("KV exact", "comparison.kv_bytes_plan_exact"), ("blob exact", "comparison.kv_bytes_served_exact"),
+                 ("stage P50 plan", "comparison.predicted_ms.stage_p50"),
+                 ("stage P50", "comparison.measured_ms.stage_p50"), ("err", "comparison.error.stage_p50"),
+                 ("stage P99 plan", "comparison.predicted_ms.stage_p99"),
+                 ("stage P99", "comparison.measured_ms.stage_p99"), ("err", "comparison.error.stage_p99"),
+                 ("exposed P50 plan", "comparison.predicted_ms.exposed_p50"),
+                 ("exposed P50", "comparison.measured_ms.exposed_p50"), ("err", "comparison.error.exposed_p50"),
+                 ("exposed P99 plan", "comparison.predicted_ms.exposed_p99"),
+                 ("exposed P99", "comparison.measured_ms.exposed_p99"), ("err", "comparison.error.exposed_p99"),
+                 ("verdict plan", "comparison.verdict_predicted"), ("verdict measured", "comparison.verdict_measured"),
+                 ("load", "load_average_before"))),
+        View("per length: the plan's wire time (fresh connection) against a plain TCP connection through the same "
+             "link just before serving, and the served transfer stage's median against it (ms)", "wire_rows", _cols(
+                 "rate", "rtt_ms", "loss_pct", "seq_len", "plan_wire_ms", "tcp_wire_ms", "plan_vs_tcp",
+                 "stage_p50_ms", "plan_stage_ms", "stage_vs_tcp")),
+    ), PY + "benchmarks/planner_lab.py"),
+    "vllm_router_ttft.json": Source("benchmarks/vllm_router_ttft.py", (
+        View("client TTFT per stage (ms)", "stages", _cols(
+            "stage", "n", "median_ms", "min_ms", "max_ms", "q1_ms", "q3_ms", "outside_median_ms", "overhead_ms",
+            "allowance_ms", "met", "over_local_ms", "over_beside_ms", "met_beside", "load_average_1m")),
+        View("hops on their own (ms)", "hop_times", _cols("hop", "n", "median_ms", "min_ms", "max_ms")),
+        View("saving's cost on the producer: saved − plain, same prompts (ms)", "saving_cost",
+             _cols("overlap", "paired_median_ms")),
+    )),
     "acceptance-quick/results.json": Source("benchmarks/acceptance_quick.py", tuple(
         View(title, rows, (("cell", "key"), ("ok", "metrics.ok"), ("requests", "metrics.requests"),
                            ("TTFT P50", "metrics.ttft_ms.p50"), ("TTFT P99", "metrics.ttft_ms.p99"),
@@ -104,14 +171,21 @@ SOURCES: dict[str, Source] = {
 }
 
 TITLES = {
-    "engine.json": "decode throughput, prfaas against vLLM", "engine-rerun.json": "decode throughput, a second run",
-    "engine-c32.json": "decode throughput at concurrency 32", "kv_codecs.json": "KV size, codec speed and quality",
-    "serving.json": "serving latency, remote against local prefill", "transport.json": "the KV data plane",
+    "engine.json": "decode throughput, prfaas against vLLM", "kv_codecs.json": "KV size, codec speed and quality",
+    "serving.json": "TTFT through a deployment against the in-process engine",
+    "serving-remote.json": "TTFT with remote prefill against the in-process engine",
+    "transport.json": "the KV data plane",
     "scheduler.json": "simulated cluster, offload policies", "tenancy.json": "encryption at rest and tenancy costs",
     "lab_probe.json": "what the lab's WAN delivers", "matmul_dtype.json": "bfloat16 against float32 matmuls",
+    "chunk_attention.json": "what chunking a prefill costs in attention",
+    "lab_clusters.json": "two clusters of one prefill pool, each on its own lab link",
     "upgrade.json": "rolling upgrade under load", "vllm_pd.json": "vLLM peers side by side",
     "vllm_spin.json": "vLLM consumer's first step against the producer's spinning threads",
     "vllm_router_ttft.json": "TTFT through the router on vLLM, remote against local",
+    "http_keepalive.json": "a prfaas server's answer on a kept-alive connection, with and without TCP_NODELAY",
+    "prefix_cache.json": "the engine's prefix cache on a multi-turn chat, in process",
+    "multiturn_lab.json": "a multi-turn chat through the lab, with and without the prefix cache",
+    "planner_lab.json": "the planner's predictions against the lab",
     "acceptance-quick/results.json": "quick acceptance through the lab",
 }
 

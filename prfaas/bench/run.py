@@ -69,7 +69,8 @@ class Run:
         await self._fit_prompt_ids()
         baseline_cells = previous if previous is not None else await self._baseline()
         by_load = {c["load_key"]: c["metrics"] for c in baseline_cells if not c.get("skipped")}
-        net = NetworkControl(self.matrix.network) if any(n != "normal" for n in self.matrix.networks) else None
+        changes_network = any(n != "normal" for n in self.matrix.networks)
+        net = NetworkControl(self.matrix.network, target=o.target) if changes_network else None
         sampler = self.sampler = Sampler(self.epoch)
         sampler.start()
         cells: list[dict[str, Any]] = []

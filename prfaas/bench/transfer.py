@@ -5,8 +5,9 @@ with a throw-away self-signed certificate when ``--tls``); the blob is pushed on
 with ``--streams`` connections into a fresh ``BlobReader`` (every chunk verified, layers rebuilt), then released.
 Goodput counts payload bytes only: Gbit/s = payload bytes × 8 / seconds / 1e9. ``--json`` prints one object last:
 ``bytes, seconds, gbps`` (the best pull), ``median_gbps``, ``push_seconds``, ``push_gbps``, ``streams``,
-``chunk_kb``, ``tls``, ``repeat``, ``target``, and ``cpu_s_per_gb``: this (receiving) process's CPU seconds per GB
-pulled, all its threads, the median over the pulls; with the local relay also ``server_cpu_s_per_gb``, the relay
+``chunk_kb``, ``tls``, ``repeat``, ``target``, ``pull_seconds`` and ``pull_cpu_s_per_gb`` (every pull, in order), and
+``cpu_s_per_gb``: this (receiving) process's CPU seconds per GB pulled, all its threads, the median over the pulls;
+with the local relay also ``server_cpu_s_per_gb``, the relay
 process's (sending) CPU seconds per GB pulled, the median over the pulls.
 """
 
@@ -150,7 +151,8 @@ async def measure(address: str, kv_id: str, frames: list[bytes], payload: int, s
     best = min(times)
     return {"bytes": payload, "seconds": best, "gbps": payload * 8 / best / 1e9,
             "median_gbps": payload * 8 / statistics.median(times) / 1e9, "push_seconds": push_s,
-            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times, "cpu_s_per_gb": statistics.median(cpu),
+            "push_gbps": payload * 8 / push_s / 1e9, "pull_seconds": times, "pull_cpu_s_per_gb": cpu,
+            "cpu_s_per_gb": statistics.median(cpu),
             **({"server_cpu_s_per_gb": statistics.median(peer_cpu)} if peer_cpu else {})}
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from prfaas.engine.protocol import ChunkResult, LayerCallback, PrefillOutput, RowCallback
+from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, PrefillOutput, RowCallback
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint, KVState
 from prfaas.messages import SamplingParams
@@ -85,11 +85,12 @@ class EngineBase(ABC):
         """Like ``prefill`` but keeps the live model cache (for decoding in the same process)."""
 
     @abstractmethod
-    def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0, on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
-        """Prefill ``chunk`` tokens per forward pass, yielding ``None`` between chunks (so a scheduler can run
-        other work in between) and finally ``(cache, next_token, seconds)``; ``on_layer`` receives each layer's
-        whole state during the last chunk."""
+    def prefill_chunks(self, token_ids: Sequence[int], chunk: int | ChunkPlan,
+                       sampling: SamplingParams | None = None, step: int = 0,
+                       on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
+        """Prefill ``chunk`` tokens per forward pass (0: one pass; a ``ChunkPlan``: as it says before each pass),
+        yielding ``None`` between chunks (so a scheduler can run other work in between) and finally
+        ``(cache, next_token, seconds)``; ``on_layer`` receives each layer's whole state during the last chunk."""
 
     @abstractmethod
     def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,

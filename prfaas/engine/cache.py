@@ -16,7 +16,7 @@ import torch
 
 from prfaas.errors import KVIncompatible
 from prfaas.kv import state as kinds
-from prfaas.kv.state import LayerState
+from prfaas.kv.state import POSITIONAL, LayerState
 
 MAMBA_FAMILY = frozenset({"bamba", "jamba", "nemotron_h", "falcon_h1", "mamba", "mamba2", "granitemoehybrid"})
 _SKIP = frozenset({"device", "_sliding_window_tensor"})
@@ -124,7 +124,6 @@ def restore_layer(cache: Any, state: LayerState, device: torch.device) -> None:
             setattr(layer, name, tensor)
 
 
-_POSITIONAL = frozenset({"keys", "values", "indexer_keys"})
 
 
 def snapshot_rows(cache: Any, index: int, lengths: list[int], model_type: str, is_mla: bool) -> list[LayerState]:
@@ -135,7 +134,7 @@ def snapshot_rows(cache: Any, index: int, lengths: list[int], model_type: str, i
         tensors = {}
         for name, array in whole.tensors.items():
             part = array[row:row + 1]
-            if name in _POSITIONAL and whole.kind in kinds.ATTENTION_KINDS:
+            if name in POSITIONAL and whole.kind in kinds.ATTENTION_KINDS:
                 keep = length if whole.window is None else min(length, whole.window - 1)
                 part = part[..., part.shape[-2] - keep:, :]
             tensors[name] = np.ascontiguousarray(part)

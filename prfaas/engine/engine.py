@@ -9,7 +9,7 @@ shipped KV bit-identical to a monolithic ``generate``.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,7 @@ from prfaas.engine import prefill_batch as batched
 from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import restore_layer, snapshot_layer
 from prfaas.engine.hooks import after_each_layer
-from prfaas.engine.protocol import ChunkResult, LayerCallback, RowCallback
+from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, RowCallback, pass_tokens
 from prfaas.engine.sampling import pick_token
 from prfaas.errors import KVBadFormat
 from prfaas.kv import Fingerprint, KVState
@@ -60,25 +60,40 @@ class TransformersEngine(EngineBase):
                 hook.remove()
         return cache, pick_token(logits, sampling, step=step), time.perf_counter() - started
 
-    def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0, on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
-        """Prefill ``chunk`` tokens per forward pass, yielding ``None`` between chunks (so a scheduler can run
-        other work in between) and finally ``(cache, next_token, seconds)``; ``on_layer`` receives each layer's
-        whole state during the last chunk."""
+    def prefill_chunks(self, token_ids: Sequence[int], chunk: int | ChunkPlan,
+                       sampling: SamplingParams | None = None, step: int = 0,
+                       on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
+        """Prefill ``chunk`` tokens per forward pass (or as a ``ChunkPlan`` says before each pass), yielding ``None``
+        between chunks (so a scheduler can run other work in between) and finally
+        ``(cache, next_token, seconds)``; ``on_layer`` receives each layer's whole state during the last chunk."""
         ids = self.check_prompt(token_ids)
-        cache, seconds, size = self.new_cache(), 0.0, chunk or len(ids)
-        for start in range(0, len(ids), size):
-            last = start + size >= len(ids)
+        yield from self.resume_chunks(self.new_cache(), ids, 0, chunk, sampling, step, on_layer)
+
+    def resume_chunks(self, cache: Any, ids: list[int], start: int, chunk: int | ChunkPlan,
+                      sampling: SamplingParams | None = None, step: int = 0, on_layer: LayerCallback | None = None,
+                      boundary: int | None = None,
+                      on_boundary: Callable[[Any], None] | None = None) -> Iterator[ChunkResult | None]:
+        """``prefill_chunks`` of ``ids[start:]`` on top of ``cache``, which holds ``ids[:start]`` (a prefix cache's
+        hit). With ``start < boundary < len(ids)``, a forward pass ends exactly after ``boundary`` tokens and
+        ``on_boundary(cache)`` sees the cache there, before the next pass changes it (a prefix cache's checkpoint)."""
+        seconds, begin = 0.0, start
+        while True:
+            end = _pass_end(begin, len(ids), pass_tokens(chunk, begin), boundary)
+            last = end == len(ids)
             hooks = self._layer_hooks(cache, on_layer) if on_layer and last else []
             began = time.perf_counter()
             try:
-                logits = self._forward(ids[start:start + size], cache, start=start)
+                logits = self._forward(ids[begin:end], cache, start=begin)
             finally:
                 for hook in hooks:
                     hook.remove()
             seconds += time.perf_counter() - began
-            if not last:
-                yield None
+            if end == boundary and on_boundary is not None:
+                on_boundary(cache)
+            if last:
+                break
+            yield None
+            begin = end
         yield cache, pick_token(logits, sampling, step=step), seconds
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,
@@ -177,6 +192,13 @@ class TransformersEngine(EngineBase):
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([[0]], device=self.device), use_cache=True)
         return type(out.cache)
+
+
+def _pass_end(begin: int, stop: int, size: int, boundary: int | None) -> int:
+    """Where a forward pass from ``begin`` of at most ``size`` tokens (0: the rest) ends: at ``stop``, or at
+    ``boundary`` when it lies strictly inside (the cache there is a prefix cache's checkpoint)."""
+    end = min(stop, begin + size) if size > 0 else stop
+    return boundary if boundary is not None and begin < boundary < end else end
 
 
 def _forward_params(model: Any) -> set[str]:

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 LayerCallback = Callable[[LayerState], None]
 RowCallback = Callable[[int, LayerState], None]  # (row of the batch, that row's layer state)
 ChunkResult = tuple[Any, int, float]  # (live model cache, first token, seconds of compute)
+# The tokens of a chunked prefill's next forward pass, asked before each pass with the tokens already in the cache
+# (0: the rest in one pass). A scheduler sizes each pass from its queue at that moment (``prefill_scheduler.py``).
+ChunkPlan = Callable[[int], int]
+
+
+def pass_tokens(chunk: int | ChunkPlan, done: int) -> int:
+    """The next pass's tokens under ``chunk``: a fixed size (0: the rest) or a ``ChunkPlan``."""
+    return chunk if isinstance(chunk, int) else chunk(done)
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,10 @@ class Engine(EngineInfo, Protocol):
                 sampling: SamplingParams | None = None) -> PrefillOutput:
         """Run the prompt; ``on_layer`` receives each layer's state as soon as that layer has run."""
 
-    def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
+    def prefill_chunks(self, token_ids: Sequence[int], chunk: int | ChunkPlan, sampling: SamplingParams | None = None,
                        step: int = 0, on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
-        """``chunk`` tokens per forward pass, ``None`` between chunks, finally (cache, first token, seconds)."""
+        """``chunk`` tokens per forward pass (or as a ``ChunkPlan`` says), ``None`` between chunks, finally (cache,
+        first token, seconds)."""
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,
                       samplings: Sequence[SamplingParams | None] | None = None) -> tuple[list[int], float]:

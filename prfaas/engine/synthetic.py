@@ -52,7 +52,7 @@ import torch
 import xxhash
 
 from prfaas.engine.base import EngineBase
-from prfaas.engine.protocol import ChunkResult, LayerCallback, RowCallback
+from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, RowCallback, pass_tokens
 from prfaas.errors import InvalidRequest, KVBadFormat
 from prfaas.kv import Fingerprint, KVState, LayerState
 from prfaas.messages import SamplingParams
@@ -285,17 +285,21 @@ class SyntheticEngine(EngineBase):
                 on_layer(self.layer_state(index, len(ids)))
         return SyntheticCache(len(ids)), self.first_token(ids), time.perf_counter() - started
 
-    def prefill_chunks(self, token_ids: Sequence[int], chunk: int, sampling: SamplingParams | None = None,
-                       step: int = 0, on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
+    def prefill_chunks(self, token_ids: Sequence[int], chunk: int | ChunkPlan,
+                       sampling: SamplingParams | None = None, step: int = 0,
+                       on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
         ids = self.check_prompt(token_ids)
-        size = chunk or len(ids)
-        seconds = 0.0
-        for start in range(0, len(ids), size):
+        seconds, start = 0.0, 0
+        while True:
+            size = pass_tokens(chunk, start) or len(ids)
+            end = min(len(ids), start + size)
             began = time.perf_counter()
-            _sleep_until(began + self.spec.prefill_seconds(min(len(ids), start + size), start))
+            _sleep_until(began + self.spec.prefill_seconds(end, start))
             seconds += time.perf_counter() - began
-            if start + size < len(ids):
-                yield None
+            if end == len(ids):
+                break
+            yield None
+            start = end
         if on_layer is not None:
             for index in range(self.num_layers):
                 on_layer(self.layer_state(index, len(ids)))

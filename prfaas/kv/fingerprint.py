@@ -10,9 +10,9 @@ import xxhash
 
 from prfaas.errors import KVBadFormat, KVIncompatible
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a suffix-only blob's header names the cached prefix it extends (prfaas.kv.format)
 # Readers accept these blob format versions (current and previous, for rolling upgrades).
-SUPPORTED_VERSIONS = frozenset({1})
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 
 _LENIENT = frozenset({"model", "format_version"})

@@ -3,7 +3,8 @@
 ::
 
     header   "PRKV" u16 version u32 n u32 h  msgpack{kv_id, fingerprint, codec, seq_len, cache, chunk_size,
-                                              layers: [{index, kind, grows, window}], created_ms}  u64 xxh64
+                                              layers: [{index, kind, grows, window}], created_ms,
+                                              [prefix: {chain_hash, tokens}]}  u64 xxh64
     chunk    "C" u32 index u32 length u64 xxh64(data) u32 h  data      (repeated; ≤ chunk_size each)
     trailer  "T" u32 n u32 h  msgpack{total_bytes, chunk_count, payload_xxh64, first_token}  u64 xxh64
 
@@ -14,6 +15,10 @@ The chunks cut one payload stream, which holds the layers in order; a layer is `
 grows, window, attrs, tensors: [desc]}`` followed by each tensor's wire parts. A chunk is cut as soon as it is full,
 so chunks of early layers leave while later layers are still being computed. Every length read from the wire is
 checked against limits before anything is allocated.
+
+Version 2 added ``prefix``: a suffix-only blob (``prfaas.kv.suffix``) names the cached prefix it extends, so a
+version-1 reader, which would take it for a whole prompt's KV, refuses every version-2 blob; a version-1 header
+never carries it. The header's own xxHash64 covers it like every other field.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTooLarge, KV
 from prfaas.kv import codecs
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
 from prfaas.kv.kvid import check_kv_id, new_kv_id
-from prfaas.kv.state import DEFAULT_CHUNK_BYTES, LAYER_KINDS, KVState, LayerState
+from prfaas.kv.state import DEFAULT_CHUNK_BYTES, LAYER_KINDS, KVState, LayerState, PrefixRef
 from prfaas.limits import DEFAULT as DEFAULT_LIMITS
 from prfaas.limits import MIN_CHUNK, WireLimits
 
@@ -42,6 +47,8 @@ _TRAILER = struct.Struct(">cI")
 _HEAD_SUM = struct.Struct(">I")
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
+_HEX = "0123456789abcdef"
+PREFIX_VERSION = 2  # the first blob format whose header may name the prefix a suffix-only blob extends
 
 
 @dataclass(frozen=True)
@@ -54,11 +61,13 @@ class BlobHeader:
     chunk_size: int
     layers: tuple[dict[str, Any], ...]
     created_ms: int
+    prefix: PrefixRef | None = None  # a suffix-only blob: the cached prefix it extends (format version 2 on)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"kv_id": self.kv_id, "fingerprint": self.fingerprint.to_wire(), "codec": self.codec,
+        wire = {"kv_id": self.kv_id, "fingerprint": self.fingerprint.to_wire(), "codec": self.codec,
                 "seq_len": self.seq_len, "cache": self.cache, "chunk_size": self.chunk_size,
                 "layers": list(self.layers), "created_ms": self.created_ms}
+        return wire if self.prefix is None else {**wire, "prefix": self.prefix.to_wire()}
 
     @classmethod
     def from_wire(cls, data: Any, limits: WireLimits = DEFAULT_LIMITS) -> BlobHeader:
@@ -68,7 +77,7 @@ class BlobHeader:
             header = cls(kv_id=check_kv_id(data["kv_id"]), fingerprint=Fingerprint.from_wire(data["fingerprint"]),
                          codec=codecs.check_codec(data["codec"]), seq_len=int(data["seq_len"]),
                          cache=str(data["cache"]), chunk_size=int(data["chunk_size"]), layers=layers,
-                         created_ms=int(data["created_ms"]))
+                         created_ms=int(data["created_ms"]), prefix=_prefix_ref(data.get("prefix")))
         except (KeyError, TypeError, ValueError) as exc:
             raise KVBadFormat(f"bad blob header: {exc!r}") from exc
         except Exception as exc:
@@ -78,7 +87,19 @@ class BlobHeader:
         if not MIN_CHUNK <= header.chunk_size <= limits.max_chunk_bytes or len(layers) > limits.max_layers \
                 or header.seq_len < 0:
             raise KVBadFormat("blob header field out of limits (chunk_size, layer count or seq_len)")
+        if header.prefix is not None and not 0 < header.prefix.tokens < header.seq_len:
+            raise KVBadFormat(f"blob header's prefix of {header.prefix.tokens} tokens is not inside its "
+                              f"{header.seq_len}")
         return header
+
+
+def _prefix_ref(data: Any) -> PrefixRef | None:
+    if data is None:
+        return None
+    chain_hash = data["chain_hash"]
+    if not isinstance(chain_hash, str) or len(chain_hash) != 32 or set(chain_hash) - set(_HEX):
+        raise KVBadFormat("blob header's prefix chain hash is not 32 hex digits")
+    return PrefixRef(chain_hash=chain_hash, tokens=int(data["tokens"]))
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,8 @@ class BlobWriter:
         if self.version not in SUPPORTED_VERSIONS:
             raise KVBadFormat(f"cannot write KV format version {self.version}; this writer supports "
                               f"{sorted(SUPPORTED_VERSIONS)}")
+        if header.prefix is not None and self.version < PREFIX_VERSION:
+            raise KVBadFormat(f"a suffix-only blob needs KV format version {PREFIX_VERSION}; asked for {self.version}")
         self._pending = bytearray()
         self._index = 0
         self._total = 0
@@ -134,7 +157,7 @@ class BlobWriter:
             kv_id=kv_id or state.kv_id or new_kv_id(state.fingerprint.short_hash()),
             fingerprint=state.fingerprint, codec=codecs.check_codec(codec), seq_len=state.seq_len,
             cache=state.cache, chunk_size=chunk_size, layers=tuple(x.table_entry() for x in state.layers),
-            created_ms=int(time.time() * 1000))
+            created_ms=int(time.time() * 1000), prefix=state.prefix)
         return cls(header)
 
     @property
@@ -349,7 +372,7 @@ class BlobReader:
             raise KVTruncated(f"blob ended early after {self.next_chunk} chunks")
         return KVState(fingerprint=self.header.fingerprint, seq_len=self.header.seq_len, layers=self.layers,
                        cache=self.header.cache, first_token=self.trailer.first_token, kv_id=self.header.kv_id,
-                       codec=self.header.codec)
+                       codec=self.header.codec, prefix=self.header.prefix)
 
     def _frame(self, view: memoryview) -> int:
         """Consume one frame from ``view`` if it is complete; returns the bytes used (0: need more)."""
@@ -389,7 +412,10 @@ class BlobReader:
         meta = _verified_meta(view[start:], n, "header")
         if meta is None:
             return 0
-        self.header = BlobHeader.from_wire(_unpack(meta), self.limits)
+        header = BlobHeader.from_wire(_unpack(meta), self.limits)
+        if header.prefix is not None and version < PREFIX_VERSION:
+            raise KVBadFormat(f"a version-{version} blob header names a prefix (version {PREFIX_VERSION} on)")
+        self.header = header
         return start + n + _U64.size
 
     def _trailer_frame(self, view: memoryview) -> int:

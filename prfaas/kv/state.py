@@ -26,6 +26,20 @@ NONE = "none"  # a layer with nothing cached (MLP/MoE-only layers, shared-KV con
 LAYER_KINDS = (FULL_ATTENTION, SLIDING_ATTENTION, MLA, LINEAR_ATTENTION, MAMBA, CONV, CACHE_STATE, NONE)
 ATTENTION_KINDS = frozenset({FULL_ATTENTION, SLIDING_ATTENTION, MLA})
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+POSITIONAL = frozenset({"keys", "values", "indexer_keys"})  # attention tensors with one entry per held position
+
+
+@dataclass(frozen=True)
+class PrefixRef:
+    """The cached prefix a suffix-only blob extends (``prfaas.kv.suffix``): the chain hash of the prefix's last
+    block (``prfaas.kv.prefix``, 32 hex digits, salted as the decode instance salts) and its length in tokens (a
+    block boundary). The blob holds the attention layers' positions from there on and every other layer whole."""
+
+    chain_hash: str
+    tokens: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"chain_hash": self.chain_hash, "tokens": self.tokens}
 
 
 @dataclass
@@ -59,6 +73,8 @@ class KVState:
 
     ``cache`` names the engine's cache class so a restore can refuse a layout it does not know.
     ``first_token`` travels in the blob trailer; ``codec`` says which codec this state was decoded from.
+    With ``prefix``, ``seq_len`` is still the whole prompt's but the attention layers hold only the positions after
+    the prefix (``prfaas.kv.suffix.join`` puts the prefix back).
     """
 
     fingerprint: Fingerprint
@@ -68,6 +84,7 @@ class KVState:
     first_token: int | None = None
     kv_id: str | None = None
     codec: str = "none"
+    prefix: PrefixRef | None = None  # a suffix-only state: what it extends (None: the whole prompt's)
 
     @property
     def nbytes(self) -> int:

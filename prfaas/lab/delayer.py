@@ -1,10 +1,11 @@
 """The lab's delay line: a user-space process that holds each WAN packet for ``delay ± jitter`` before letting it
 through (this kernel has no ``netem``).
 
-``python -m prfaas.lab.delayer --ns dc-a --ns dc-b --delay-ms D --jitter-ms J --ready FILE`` binds NFQUEUE
-``DELAY_QUEUE`` in each namespace (packets arriving over the WAN, so the sender's TCP small-queue accounting is not
-involved), keeps one FIFO per queue, and accepts packets in batches when they are due. Jitter is uniform in
-``[-J, +J]`` per packet; a packet never leaves before the one ahead of it (no reordering, like netem with rate).
+``python -m prfaas.lab.delayer --ns dc-a --ns dc-b --queue Q --delay-ms D --jitter-ms J --ready FILE`` binds
+NFQUEUE ``Q`` (one link's queue: one delayer per delayed link) in each namespace (packets arriving over that WAN,
+so the sender's TCP small-queue accounting is not involved), keeps one FIFO per queue, and accepts packets in
+batches when they are due. Jitter is uniform in ``[-J, +J]`` per packet; a packet never leaves before the one
+ahead of it (no reordering, like netem with rate).
 
 Limits: one Python process on a shared CPU: each packet costs a netlink message; GSO keeps packets large, so a
 single bulk flow of about 1 Gbit/s gets through; timer precision is about 0.1 ms. On SIGTERM (or when a namespace
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m prfaas.lab.delayer", description=__doc__.split("\n")[0])
     parser.add_argument("--ns", action="append", required=True, help="namespace whose WAN arrivals to delay")
+    parser.add_argument("--queue", type=int, default=DELAY_QUEUE, help="the link's NFQUEUE number")
     parser.add_argument("--delay-ms", type=float, required=True)
     parser.add_argument("--jitter-ms", type=float, default=0.0)
     parser.add_argument("--ready", required=True, help="file written once every queue is bound")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     lines = []
     for ns in args.ns:
         with in_namespace(ns):
-            queue = NfQueue(DELAY_QUEUE)
+            queue = NfQueue(args.queue)
         lines.append(DelayLine(queue, args.delay_ms / 1e3, args.jitter_ms / 1e3, rng))
     with open(args.ready, "w") as f:
         f.write(str(os.getpid()))

@@ -11,6 +11,7 @@ components it runs (``served``), so that no process exports another role's serie
 | ``DECODE``       | KV pulls as decode sees them                                       | decode           |
 | ``STORE``        | a KV store: blobs, bytes, accesses, audit, KV byte-seconds         | prefill, relay   |
 | ``DATA_PLANE``   | this process's KV transfers (``prfaas.transfer``: pushes, pulls)   | prefill, decode  |
+| ``PREFIX``       | the engine's prefix cache (``prfaas.engine.prefix_cache``)         | prefill, decode  |
 
 With ``--engine vllm`` the forward passes, the store and the data plane run inside the vLLM server's process (the
 connector), so the prfaas instance in front of it renders none of them; that server's own ``/metrics`` has vLLM's
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-ROUTER, PREFILL, DECODE, STORE, DATA_PLANE = (CollectorRegistry() for _ in range(5))
-REGISTRIES = (ROUTER, PREFILL, DECODE, STORE, DATA_PLANE)
+ROUTER, PREFILL, DECODE, STORE, DATA_PLANE, PREFIX = (CollectorRegistry() for _ in range(6))
+REGISTRIES = (ROUTER, PREFILL, DECODE, STORE, DATA_PLANE, PREFIX)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 REQUESTS = Counter("prfaas_router_requests_total", "Requests by route and outcome",
@@ -46,6 +47,10 @@ TRANSFER_EXPOSED = Histogram("prfaas_transfer_exposed_seconds",
                              buckets=_LATENCY, registry=ROUTER)
 LINK_DEGRADED = Gauge("prfaas_router_link_degraded", "1 while the link is degraded and requests stay local",
                       registry=ROUTER)
+LINK_BANDWIDTH = Gauge("prfaas_router_link_bandwidth_bps", "Estimated available bandwidth per link "
+                       "(prefill-dc:decode-dc), the cost model's input", ["link"], registry=ROUTER)
+LINK_INFLIGHT = Gauge("prfaas_router_link_inflight_bytes", "KV bytes routed over each link and not yet delivered",
+                      ["link"], registry=ROUTER)
 QUEUE_DEPTH = Gauge("prfaas_instance_queue_depth", "Queue depth reported by each instance", ["instance"],
                     registry=ROUTER)
 FREE_KV = Gauge("prfaas_instance_free_kv_bytes", "Free KV memory reported by each instance", ["instance"],
@@ -130,8 +135,43 @@ TENANT_KV_WAN_BYTES = Counter("prfaas_tenant_kv_wan_bytes_total", "KV blob bytes
 TENANT_KV_BYTE_SECONDS = Counter("prfaas_tenant_kv_byte_seconds_total", "KV bytes × seconds held in this "
                                  "datacenter's stores, by tenant", ["tenant", "datacenter"], registry=STORE)
 
-_SERVED = {"router": (ROUTER,), "prefill": (PREFILL, STORE, DATA_PLANE), "decode": (DECODE, DATA_PLANE),
-           "relay": (STORE,)}
+# Metering per client cluster of a shared prefill pool (prfaas.services.pool); clusters are names, never keys.
+POOL_PROMPT_TOKENS = Counter("prfaas_pool_prompt_tokens_total", "Prompt tokens prefilled, by client cluster",
+                             ["cluster"], registry=PREFILL)
+POOL_PREFILL_SECONDS = Counter("prfaas_pool_prefill_seconds_total", "Seconds of the forward passes that prefilled "
+                               "each client cluster's prompts", ["cluster"], registry=PREFILL)
+POOL_KV_BYTES = Counter("prfaas_pool_kv_bytes_total", "KV blob bytes written, by client cluster and link "
+                        "(prefill datacenter->cluster datacenter)", ["cluster", "link"], registry=PREFILL)
+POOL_REFUSED = Counter("prfaas_pool_refused_total", "Prefill requests refused, by client cluster and reason "
+                       "(quota, unauthorized)", ["cluster", "reason"], registry=PREFILL)
+POOL_QUEUE_SECONDS = Histogram("prfaas_pool_queue_seconds", "Wait in the prefill queue, by client cluster",
+                               ["cluster"], buckets=_LATENCY, registry=PREFILL)
+POOL_INFLIGHT_TOKENS = Gauge("prfaas_pool_inflight_tokens", "Prompt tokens accepted and not yet finished, by "
+                             "client cluster", ["cluster"], registry=PREFILL)
+
+# The engine's prefix cache (prfaas.engine.prefix_prefill), by the role whose engine holds it. Hit rate is
+# saved / prompt tokens.
+PREFIX_LOOKUPS = Counter("prfaas_prefix_cache_lookups_total", "Prompts looked up in the prefix cache, by outcome "
+                         "(hit or miss)", ["role", "outcome"], registry=PREFIX)
+PREFIX_PROMPT_TOKENS = Counter("prfaas_prefix_cache_prompt_tokens_total", "Prompt tokens of the prompts looked up",
+                               ["role"], registry=PREFIX)
+PREFIX_SAVED_TOKENS = Counter("prfaas_prefix_cache_saved_tokens_total", "Prompt tokens reused from the prefix cache "
+                              "instead of prefilled", ["role"], registry=PREFIX)
+PREFIX_HIT_RATIO = Gauge("prfaas_prefix_cache_hit_ratio", "Saved over prompt tokens since the process started",
+                         ["role"], registry=PREFIX)
+PREFIX_CACHED_TOKENS = Gauge("prfaas_prefix_cache_tokens", "Prompt tokens held in the prefix cache (blocks × block "
+                             "size)", ["role"], registry=PREFIX)
+PREFIX_BYTES = Gauge("prfaas_prefix_cache_bytes", "Bytes held in the prefix cache", ["role"], registry=PREFIX)
+PREFIX_EVICTIONS = Counter("prfaas_prefix_cache_evictions_total", "Blocks evicted from the prefix cache to stay "
+                           "within prefix_cache_mb", ["role"], registry=PREFIX)
+PREFIX_WAN_SAVED = Counter("prfaas_prefix_wan_bytes_saved_total", "KV bytes suffix-only blobs left out (the prefix "
+                           "the decode instance held), before the codec", ["role"], registry=PREFIX)
+PREFIX_SUFFIX_BLOBS = Counter("prfaas_prefix_suffix_blobs_total", "Remote prefills asked for a suffix-only blob, by "
+                              "outcome (sent; refused: decode no longer held the prefix, sent again whole)",
+                              ["outcome"], registry=ROUTER)
+
+_SERVED = {"router": (ROUTER,), "prefill": (PREFILL, STORE, DATA_PLANE, PREFIX),
+           "decode": (DECODE, DATA_PLANE, PREFIX), "relay": (STORE,)}
 
 
 def served(role: str, engine: str = "prfaas") -> tuple[CollectorRegistry, ...]:

@@ -70,14 +70,26 @@ def link_cmd(
     e2e_budget_ms: float | None = typer.Option(None, help="end-to-end budget in ms (default: TTFT budget)"),
     transfer_share: float = typer.Option(0.15, help="share of the end-to-end budget a transfer may take"),
     max_len: int = typer.Option(1 << 21, help="upper bound of the largest-length search"),
+    profile: str | None = typer.Option(None, help="speed profile of the prefill instance (`prfaas measure "
+                                       "--json`): its prefill times overlap the predicted transfer"),
     as_json: bool = JSON,
 ) -> None:
-    """Verdict for shipping KV over a link: every rule with its margin, largest prompt, settings."""
+    """Verdict for shipping KV over a link: every rule with its margin, largest prompt, settings, and the
+    transfer stage and exposed transfer the serving path will show."""
     from prfaas.errors import InvalidRequest
     from prfaas.plan.advice import advise, recommend
     from prfaas.plan.lengths import LengthDist, parse_dist
-    from prfaas.plan.link import Budget, LinkSpec, evaluate, largest_fitting_length, verdict_json
+    from prfaas.plan.link import (
+        Budget,
+        LinkSpec,
+        demand_bps,
+        evaluate,
+        largest_fitting_length,
+        transfer_json,
+        verdict_json,
+    )
     from prfaas.plan.options import DEFAULT_LENGTHS, kv_curve
+    from prfaas.plan.profile import SpeedProfile
     from prfaas.plan.render import link_table
 
     if not 0.0 < transfer_share <= 1.0:
@@ -100,7 +112,10 @@ def link_cmd(
     largest = largest_fitting_length(curve, spec, budget, max_len)
     out = verdict_json(checks, largest, recommend(curve, dist, spec, budget),
                        advise(checks, curve, dist, spec, budget, largest))
-    out.update(kv=curve.name, link=spec.__dict__, mix=dist.to_json(), qps=qps)
+    speed = SpeedProfile.from_file(profile) if profile else None
+    out.update(kv=curve.name, link=spec.__dict__, mix=dist.to_json(), qps=qps,
+               transfer=transfer_json(curve, dist, spec, demand_bps(curve, dist, qps),
+                                      (lambda n: speed.prefill_seconds(n) * 1e3) if speed else None))
     _emit(out, as_json, link_table)
 
 

@@ -4,16 +4,22 @@ Rules (each reported with value, limit and margin):
 - ``bandwidth``: peak KV throughput (QPS × mean KV bytes × 8) ≤ 70 % of the available bandwidth;
 - ``rtt``: RTT P99 ≤ 20 % of the TTFT budget;
 - ``loss``: loss ≤ 0.1 %;
-- ``transfer_p99``: the P99-length prompt's transfer (RTT P99 + jitter + bytes over the bandwidth left by the
-  average load, i.e. ``bandwidth × (1 − ρ)``) ≤ ``transfer_share`` (10–20 %, default 15 %) of the
-  end-to-end budget.
+- ``transfer_p99``: the P99-length prompt's transfer over a fresh connection, as the data plane moves a blob
+  (``prfaas.plan.transfer.wire_ms``: handshake, slow-start rounds at RTT P50, then bytes over the bandwidth left
+  by the average load, i.e. ``bandwidth × (1 − ρ)``; plus the tail, RTT P99 − P50 and jitter, paid once)
+  ≤ ``transfer_share`` (10–20 %, default 15 %) of the end-to-end budget.
   It ignores the overlap of transfer with prefill (layer-wise streaming), so it errs on the safe side.
+
+``transfer_json`` adds what the serving path will show at that load: the ``transfer_ms`` stage and its exposed
+part for each length of the mix and at its P50 and P99 lengths (the P99 with the tail), with prefill times from a
+speed profile when one is given (``prfaas.plan.transfer``).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,7 @@ from typing import Any
 from prfaas.errors import InvalidRequest
 from prfaas.plan.kvcurve import KVCurve
 from prfaas.plan.lengths import LengthDist
+from prfaas.plan.transfer import Transfer, predict, wire_ms
 
 BANDWIDTH_SHARE = 0.70
 RTT_SHARE = 0.20
@@ -76,12 +83,39 @@ class Check:
     reason: str
 
 
+def tail_ms(link: LinkSpec) -> float:
+    """What a P99 transfer adds to a typical one: one round trip at RTT P99 instead of P50, and the jitter. Once,
+    not on every slow-start round: a P99 round trip (a retransmission, a busy host) is rare by definition, and
+    on a lossy lab link the probe's P99 was 4-6 times the P50 while a 155 MB blob took 8 % longer."""
+    return max(0.0, link.rtt_p99_ms - link.rtt_p50_ms) + link.jitter_ms
+
+
 def transfer_ms(nbytes: int, link: LinkSpec, load_bps: float) -> float:
-    """Time to move one blob: RTT P99 + jitter + bytes over the bandwidth the background load leaves."""
+    """Time to move one blob over a fresh connection (handshake and slow start at RTT P50:
+    ``prfaas.plan.transfer.wire_ms``) at the bandwidth the background load leaves, plus the P99 tail."""
     free = link.bandwidth_bps - load_bps
     if free <= 0:
         return math.inf
-    return link.rtt_p99_ms + link.jitter_ms + nbytes * 8 / free * 1e3
+    return wire_ms(nbytes, free, link.rtt_p50_ms, link.mtu) + tail_ms(link)
+
+
+def transfer_json(curve: KVCurve, mix: LengthDist, link: LinkSpec, load_bps: float,
+                  prefill_ms: Callable[[int], float] | None = None) -> dict[str, Any]:
+    """The serving path's predicted transfer stage and exposed transfer (ms) per length of ``mix`` and at its P50
+    and P99 lengths, at the bandwidth ``load_bps`` leaves; ``prefill_ms`` (a speed profile's) lets the stream
+    overlap the forward pass, without one nothing overlaps. Null where the link is saturated."""
+    free = link.bandwidth_bps - load_bps
+    compute = prefill_ms or (lambda n: 0.0)
+
+    def one(n: int, tail: float = 0.0) -> dict[str, Any]:
+        t: Transfer = predict(n, curve.kv_bytes(n), compute(n), free, link.rtt_p50_ms, link.mtu)
+        row = {"seq_len": n, "kv_bytes": t.kv_bytes, "prefill_ms": t.prefill_ms, "wire_ms": t.wire_ms + tail,
+               "stage_ms": t.stage_ms + tail, "exposed_ms": t.exposed_ms + tail}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+    p50, p99 = one(mix.quantile(0.5)), one(mix.quantile(0.99), tail_ms(link))
+    return {"per_length": [one(n) for n in mix.lengths], "p50": p50, "p99": p99,
+            "free_bandwidth_bps": max(0.0, free), "overlap": prefill_ms is not None}
 
 
 def _check(rule: str, value: float, limit: float, unit: str, what: str) -> Check:
@@ -91,9 +125,13 @@ def _check(rule: str, value: float, limit: float, unit: str, what: str) -> Check
     return Check(rule, ok, value, limit, unit, limit - value, reason)
 
 
+def demand_bps(curve: KVCurve, mix: LengthDist, qps: float) -> float:
+    """The mix's KV traffic at ``qps``: QPS × mean KV bytes × 8."""
+    return qps * sum(w * curve.kv_bytes(n) for n, w in zip(mix.lengths, mix.weights, strict=True)) * 8
+
+
 def evaluate(curve: KVCurve, mix: LengthDist, link: LinkSpec, budget: Budget) -> list[Check]:
-    mean_bytes = sum(w * curve.kv_bytes(n) for n, w in zip(mix.lengths, mix.weights, strict=True))
-    demand = budget.qps * mean_bytes * 8
+    demand = demand_bps(curve, mix, budget.qps)
     p99_len = mix.quantile(0.99)
     t99 = transfer_ms(curve.kv_bytes(p99_len), link, demand)
     return [
@@ -106,6 +144,13 @@ def evaluate(curve: KVCurve, mix: LengthDist, link: LinkSpec, budget: Budget) ->
                f"transfer of a P99 prompt ({p99_len} tokens) vs {budget.transfer_share:.0%} of the "
                f"{budget.e2e_ms:g} ms end-to-end budget"),
     ]
+
+
+def recheck(checks: list[Check], values: dict[str, float]) -> list[Check]:
+    """The same rules and limits with the values of ``values`` (by rule) in place of the predicted ones: a
+    verdict on what was measured."""
+    return [_check(c.rule, values[c.rule], c.limit, c.unit, c.reason.split(": ", 1)[0]) if c.rule in values else c
+            for c in checks]
 
 
 def largest_fitting_length(curve: KVCurve, link: LinkSpec, budget: Budget, max_len: int = 1 << 21) -> int:

@@ -25,6 +25,10 @@ class PrefillSpeed:
         data: dict[str, Any] = json.loads(Path(path).read_text())
         return cls([(int(p["seq_len"]), float(p["seconds"])) for p in data.get("prefill", [])])
 
+    def fresh(self) -> PrefillSpeed:
+        """A copy of the measured profile without what was learnt online: the start of a new instance's speed."""
+        return PrefillSpeed([(n, rate * n) for n, rate in self._points])
+
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             rate = seconds / tokens

@@ -131,10 +131,13 @@ def loopback(host: str) -> bool:
 
 
 def check_config_file(path: str | None, config: Config) -> None:
-    """Refuse (``InvalidRequest``) a config file that holds API keys and is readable by every user."""
+    """Refuse (``InvalidRequest``) a config file that holds API keys or client-cluster keys and is readable by
+    every user."""
     path = path or os.environ.get("PRFAAS_CONFIG")
-    if path and config.common.api_keys and os.stat(path).st_mode & stat.S_IROTH:
-        raise InvalidRequest(f"{path} holds api_keys and is world-readable; run `chmod o-rwx {path}`")
+    cluster_keys = any(isinstance(entry, dict) and entry.get("key") for entry in config.clusters.values())
+    if path and (config.common.api_keys or cluster_keys) and os.stat(path).st_mode & stat.S_IROTH:
+        raise InvalidRequest(f"{path} holds keys (api_keys or clusters) and is world-readable; run "
+                             f"`chmod o-rwx {path}`")
 
 
 def check_exposure(host: str, config: Config, insecure: bool = False) -> None:

@@ -6,6 +6,8 @@
   ``pool_weights_file`` set the change is kept there first (``prfaas.services.pool_weights``): a change that cannot
   be written is refused (500) and not applied.
 - ``GET /admin/signals``: the autoscaling signals (``prfaas.services.signals``).
+- ``GET /admin/links``: each (prefill datacenter, decode datacenter) link's state (``prfaas.scheduler.links``:
+  health, bandwidth estimate, bytes in flight and routed, utilisation, TCP RTT and retransmissions).
 - ``GET /admin/prometheus/targets``: Prometheus HTTP service discovery, the router and every registered instance
   with their role, instance id and datacenter (``prfaas.obs.discovery``; ``deploy/prometheus/prometheus.yml``).
 - ``POST /admin/drain/{instance_id}``: stop placing work on the instance at once and ask it to drain (it exits
@@ -67,6 +69,10 @@ def install(app: FastAPI, router: Any) -> None:
     async def signals() -> dict[str, Any]:
         return router.signals.snapshot(registry.healthy("prefill"), registry.healthy("decode"),
                                        router.scheduler.speeds, router.config.router.offload_threshold_tokens)
+
+    @app.get("/admin/links")
+    async def links() -> dict[str, Any]:
+        return {"links": [link.stats() for link in router.scheduler.links.all()]}
 
     @app.get("/admin/prometheus/targets")
     async def prometheus_targets(request: Request) -> list[dict[str, Any]]:

@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prfaas.config import Config
-from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVNotFound, PrfaasError
+from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVNotFound, KVPrefixMissing, PrfaasError
 from prfaas.events import Done, Failed, GenerateEvent, Stages, Token
 from prfaas.kv import BlobReader, KVState
-from prfaas.messages import GenerateRequest, SamplingParams
+from prfaas.messages import GenerateRequest, SamplingParams, TcpPeer
 from prfaas.obs import metrics
 from prfaas.security.runtime import PLAINTEXT, Security
 from prfaas.services.decode_scheduler import DecodeScheduler, Prepared, Sequence
@@ -26,6 +26,7 @@ from prfaas.services.textstream import TextStream
 from prfaas.transfer import TransferContext, pull, release
 
 if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
+    from prfaas.engine.prefix_prefill import PrefixPrefill
     from prfaas.engine.protocol import Engine
 from prfaas.transfer.abandon import release_abandoned
 
@@ -36,10 +37,12 @@ TOKEN_CHARS_UNKNOWN = 64  # characters a token may stand for, when the tokenizer
 class DecodeService:
     """The decode role's work: tokenising, pulling and restoring KV, and streaming tokens from the scheduler."""
 
-    def __init__(self, engine: Engine, config: Config, security: Security = PLAINTEXT) -> None:
+    def __init__(self, engine: Engine, config: Config, security: Security = PLAINTEXT,
+                 prefix: PrefixPrefill | None = None) -> None:
         self.engine = engine
         self.config = config
-        self.scheduler = DecodeScheduler(engine, config.decode.decode_max_batch)
+        self.prefix = prefix  # the engine's prefix cache for local prefills (docs/prefix-cache.md); None: off
+        self.scheduler = DecodeScheduler(engine, config.decode.decode_max_batch, prefix.sweep if prefix else None)
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
         self.keeps_kv = engine.keeps_kv  # False: pulled KV is verified, then dropped
@@ -106,7 +109,7 @@ class DecodeService:
                 raise
             stages["transfer_ms"] = (time.perf_counter() - arrived) * 1e3
             metrics.TRANSFER_SECONDS.observe(stages["transfer_ms"] / 1e3)
-            prepare, step = (lambda: self._restore(kv)), 0
+            prepare, step = (lambda: self._restore(request, kv)), 0
         else:
             prepare, step = (lambda: self._prefill(request, sampling, arrived)), request.step_offset
         seq = Sequence(seq_id=request.request_id, prepare=prepare, max_new=request.max_tokens, sampling=sampling,
@@ -146,18 +149,35 @@ class DecodeService:
                 break
         yield Done(finish_reason=reason, completion_tokens=count, text=text.flush())
 
-    def _restore(self, kv: KVState) -> Iterator[Prepared | None]:
-        started = time.perf_counter()
-        cache = self.engine.restore(kv)
-        if kv.first_token is None:
+    def _restore(self, request: GenerateRequest, kv: KVState) -> Iterator[Prepared | None]:
+        """On the engine thread, which owns the prefix cache: a suffix-only blob is joined to the cached prefix it
+        names (``KVPrefixMissing`` when it is not held), and the prompt's blocks are stored in the prefix cache, so
+        the conversation's next turn finds its history here (salted with the request's tenant, as local prefills)."""
+        started, first = time.perf_counter(), kv.first_token
+        if first is None:
             raise InvalidRequest("the KV blob carries no first token")
-        yield cache, kv.first_token, kv.seq_len, {"restore_ms": (time.perf_counter() - started) * 1e3}
+        if kv.prefix is not None:
+            if self.prefix is None:
+                raise KVPrefixMissing("the blob extends a cached prefix, and this instance keeps no prefix cache")
+            kv = self.prefix.extend(request.token_ids, request.tenant, kv)
+        cache = self.engine.restore(kv)
+        if self.prefix is not None and kv.seq_len == len(request.token_ids):
+            self.prefix.keep(request.token_ids, request.tenant, kv)
+        yield cache, first, kv.seq_len, {"restore_ms": (time.perf_counter() - started) * 1e3}
 
     def _prefill(self, request: GenerateRequest, sampling: SamplingParams,
                  arrived: float) -> Iterator[Prepared | None]:
         started = time.perf_counter()
-        chunk_tokens = self.config.prefill.prefill_chunk_tokens
-        for result in self.engine.prefill_chunks(request.token_ids, chunk_tokens, sampling, request.step_offset):
+        # Chunks exist so that running sequences step between them. With none running there is nothing to
+        # interleave (admission is one sequence at a time, so none joins before this prefill ends), and a chunk
+        # after the first attends through an explicit mask, which on the CPU runs SDPA's slow path: one pass.
+        # This runs on the engine thread, which owns the batch.
+        chunk_tokens = self.config.prefill.prefill_chunk_tokens if len(self.scheduler.batch) else 0
+        if self.prefix is not None:
+            work = self.prefix.chunks(request.token_ids, request.tenant, chunk_tokens, sampling, request.step_offset)
+        else:
+            work = self.engine.prefill_chunks(request.token_ids, chunk_tokens, sampling, request.step_offset)
+        for result in work:
             if result is None:
                 yield None
                 continue
@@ -188,9 +208,14 @@ class DecodeService:
             used = max(self.reserved_kv_bytes, self.scheduler.batch.kv_bytes())
         except RuntimeError:  # the engine thread was changing the batch: the reservation is a fine estimate
             used = self.reserved_kv_bytes
+        used += self.prefix.cache.nbytes if self.prefix else 0  # the prefix cache's memory is not free
         return {"queue_depth": self.scheduler.queue_depth, "free_kv_bytes": max(0, budget - used),
                 "kv_budget_bytes": budget, "kv_bytes_per_token": self.bytes_per_token,
                 "kv_fixed_bytes": self.fixed_bytes}
+
+    def tcp_peers(self) -> list[TcpPeer]:
+        """``TCP_INFO`` of this instance's pulls, per store address (``prfaas.transfer.stats``)."""
+        return self.transfer.stats.pull.peers()
 
     def close(self) -> None:
         self.scheduler.close()

@@ -54,8 +54,9 @@ class DecodeScheduler:
     """The decode instance's engine loop (see the module docstring). ``submit`` from the event loop; everything
     else runs on its own thread, which owns the ``DecodeBatch``."""
 
-    def __init__(self, engine: Engine, max_batch: int) -> None:
+    def __init__(self, engine: Engine, max_batch: int, idle: Callable[[], None] | None = None) -> None:
         self.batch = DecodeBatch(engine, max_batch)
+        self._idle = idle  # run on the engine thread while nothing is running or waiting (a prefix cache's sweep)
         self._waiting: queue.Queue[Sequence | None] = queue.Queue()
         self._preparing: tuple[Sequence, Iterator[Prepared | None]] | None = None
         self._running: dict[str, Sequence] = {}
@@ -93,6 +94,8 @@ class DecodeScheduler:
             try:
                 seq = self._waiting.get(block=idle, timeout=0.5 if idle else None)
             except queue.Empty:
+                if idle and self._idle is not None:
+                    self._idle()
                 return True
             if seq is None:
                 return False

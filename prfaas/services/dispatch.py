@@ -4,6 +4,8 @@
 KV memory, counting what this router already sent it), asks the ``Scheduler`` for the route, and streams events:
 ``Token`` events (text deltas) and one final ``Done`` (``prfaas.events``). Failures, in order of what can still
 be saved:
+- a suffix-only blob (docs/prefix-cache.md) that the decode instance refuses before the first token
+  (``KV_PREFIX_MISSING``: the prefix left its cache since its heartbeat) → prefilled once more, shipped whole;
 - remote prefill fails before the first token → prefill locally on the decode instance (``fallback``);
 - the decode instance dies mid-stream → another decode instance re-prefills the prompt plus the tokens already
   streamed and continues, without repeating a token (within ``kv_retry_budget``);
@@ -22,7 +24,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field, replace
 
 from prfaas.config import Config
@@ -30,18 +32,25 @@ from prfaas.errors import (
     InstanceUnreachable,
     InvalidRequest,
     KVBadFormat,
+    KVPrefixMissing,
     KVTruncated,
     KVUnavailable,
+    PoolQuotaExceeded,
     PrfaasError,
     PromptRefused,
 )
 from prfaas.events import Accepted, Done, Failed, PrefillDone, PrefillEvent, Stages, Token
 from prfaas.kv import Fingerprint, new_kv_id
+from prfaas.kv.format import PREFIX_VERSION
+from prfaas.kv.state import PrefixRef
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, ResponseMeta, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Decision, Scheduler
+from prfaas.scheduler.offload import Ticket
+from prfaas.scheduler.placement import PromptPrefix
 from prfaas.services.instance_client import InstanceClient
 from prfaas.services.registry import Registry
+from prfaas.tenancy.clusters import DEFAULT_CLUSTER
 from prfaas.tenancy.policy import TenantPolicy
 
 QUEUE_POLL_S = 0.05
@@ -68,6 +77,7 @@ class Job:
     tenant: TenantPolicy = field(default_factory=TenantPolicy)
     prefill_dc: str = ""  # where its KV was computed (the decode's datacenter on the local route)
     decode_dc: str = ""
+    ticket: Ticket | None = None  # its prefill backlog and KV bytes in flight, held until its first token
 
 
 class Dispatcher:
@@ -75,6 +85,7 @@ class Dispatcher:
         self.registry = registry
         self.scheduler = scheduler
         self.config = config
+        self.cluster = config.router.cluster or DEFAULT_CLUSTER  # the salt of its prompts' prefixes on the pool
         self.instances = instances
         self._inflight: dict[str, list[int]] = {}  # decode instance → [requests, reserved KV bytes]
 
@@ -111,10 +122,13 @@ class Dispatcher:
         """The best decode instance with room; waits up to the queue deadline, then 503 (``degrade_or_queue``)."""
         tokens = len(job.token_ids) + job.max_tokens
         deadline = time.monotonic() + self.config.router.decode_queue_timeout_ms / 1e3
+        prompt = PromptPrefix(job.token_ids + job.generated, job.tenant.name,
+                              self.cluster)  # what its prefill will compute
         while True:
             instances = [self._view(i) for i in self.registry.healthy("decode", job.pool or None)
                          if i.instance_id not in exclude and job.tenant.allows(i.datacenter)]
-            best = self.scheduler.decode_for(instances, max((i.kv_bytes(tokens) for i in instances), default=0))
+            best = self.scheduler.decode_for(instances, max((i.kv_bytes(tokens) for i in instances), default=0),
+                                             prompt)
             if best is not None:
                 return best
             if instances and all(i.kv_bytes(tokens) > i.kv_budget_bytes for i in instances):
@@ -138,25 +152,46 @@ class Dispatcher:
 
     async def _attempt(self, job: Job, decode: InstanceInfo) -> AsyncIterator[Streamed]:
         resumed = bool(job.generated)
+        codec = job.tenant.kv_codec or self.config.transfer.kv_codec
+        prompt = PromptPrefix(job.token_ids, job.tenant.name, self.cluster)
         decision = self.scheduler.route(len(job.token_ids), self.registry.healthy("prefill", job.pool or None),
                                         self.registry.healthy("relay", job.pool or None), job.tenant,
-                                        decode.datacenter) if not resumed else None
+                                        decode.datacenter, decode, codec, prompt) if not resumed else None
         job.decode_dc, job.prefill_dc = decode.datacenter, job.prefill_dc if resumed else decode.datacenter
         if decision is not None:
             job.meta = replace(job.meta, route=decision.route, reason=decision.reason,
                                reason_code=decision.reason_code, decode_instance=decode.instance_id, fallback=False)
             metrics.ROUTES.labels(route=decision.route, reason=decision.reason_code).inc()
+            job.ticket = self.scheduler.begin(decision, decode, len(job.token_ids))
+            job.meta.kv_codec = decision.codec or None
+        try:
+            async with contextlib.aclosing(self._routed(job, decode, decision)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if job.ticket is not None:
+                job.ticket.close()
+
+    async def _routed(self, job: Job, decode: InstanceInfo, decision: Decision | None) -> AsyncGenerator[Streamed]:
         if decision is not None and decision.route == "remote":
             try:
-                async for event in self._remote(job, decode, decision):
+                async for event in self._remote_or_whole(job, decode, decision):
                     yield event
                 return
             except PrfaasError as exc:
                 if job.first_token_at is not None or isinstance(exc, _CLIENT_FAULTS) or _decode_failed(exc, decode):
                     raise
                 self._fell_back(job, exc)
+        first = not job.generated
         async for event in self._decode(job, decode, self._local_request(job)):
+            if first and isinstance(event, Token):  # decode's first-token stages time its local prefill
+                first = False
+                self._local_facts(job, decode)
             yield event
+
+    def _local_facts(self, job: Job, decode: InstanceInfo) -> None:
+        if job.meta.stages is not None and job.meta.stages.prefill_ms:
+            self.scheduler.local_prefill_done(decode.instance_id, len(job.token_ids), job.meta.stages.prefill_ms / 1e3)
 
     def _fell_back(self, job: Job, exc: PrfaasError) -> None:
         if not self.config.router.fallback_local_prefill:
@@ -164,32 +199,70 @@ class Dispatcher:
         metrics.FALLBACKS.labels(reason=exc.code).inc()
         job.prefill_dc = job.decode_dc
         job.meta = replace(job.meta, route="local", fallback=True, retries=job.meta.retries + 1,
-                           reason=f"remote prefill failed ({exc.code}: {exc.message}); prefilled locally")
+                           reason=f"remote prefill failed ({exc.code}: {exc.message}); prefilled locally",
+                           reason_code="pool_quota" if isinstance(exc, PoolQuotaExceeded) else job.meta.reason_code)
 
     def _local_request(self, job: Job) -> GenerateRequest:
         """Local prefill; after a decode death, of the prompt plus what was already streamed."""
         return GenerateRequest(request_id=job.request_id, token_ids=job.token_ids + job.generated,
                                max_tokens=job.max_tokens - len(job.generated), sampling=job.sampling,
-                               stop=job.stop, ignore_eos=job.ignore_eos, step_offset=len(job.generated))
+                               stop=job.stop, ignore_eos=job.ignore_eos, step_offset=len(job.generated),
+                               tenant=job.tenant.name)
 
-    async def _remote(self, job: Job, decode: InstanceInfo, decision: Decision) -> AsyncIterator[Streamed]:
+    async def _remote_or_whole(self, job: Job, decode: InstanceInfo, decision: Decision) -> AsyncIterator[Streamed]:
+        """The remote route, with a suffix-only blob where ``decode`` holds a prefix of the prompt; one that decode
+        refuses before its first token (the prefix left its cache since its heartbeat) is prefilled once more and
+        shipped whole."""
+        extends = self._extends(job, decode)
+        try:
+            async for event in self._remote(job, decode, decision, extends):
+                yield event
+        except KVPrefixMissing:
+            if extends is None or job.first_token_at is not None:
+                raise
+            metrics.PREFIX_SUFFIX_BLOBS.labels(outcome="refused").inc()
+            job.meta.retries += 1
+            async for event in self._remote(job, decode, decision, None):
+                yield event
+
+    def _extends(self, job: Job, decode: InstanceInfo) -> PrefixRef | None:
+        """The prefix a suffix-only blob may leave out: what ``decode``'s summary says it holds, when every decode
+        instance of the pool reads blob format ``PREFIX_VERSION``."""
+        if self._reader_version(job) < PREFIX_VERSION:
+            return None
+        return PromptPrefix(job.token_ids, job.tenant.name, self.cluster).extends(decode)
+
+    async def _remote(self, job: Job, decode: InstanceInfo, decision: Decision,
+                      extends: PrefixRef | None) -> AsyncIterator[Streamed]:
         prefill, relay = decision.prefill, decision.relay
         assert prefill is not None
+        if extends is not None:
+            metrics.PREFIX_SUFFIX_BLOBS.labels(outcome="sent").inc()
+        job.meta.kv_prefix_tokens = extends.tokens if extends else None
         kv_id = new_kv_id(Fingerprint.from_wire(decode.fingerprint).short_hash())
         job.meta.kv_id, job.meta.prefill_instance = kv_id, prefill.instance_id
         job.prefill_dc = prefill.datacenter
         body = PrefillRequest(request_id=job.request_id, kv_id=kv_id, token_ids=job.token_ids,
                               sampling=job.sampling, push_to=relay.kv_address if relay else "",
                               format_version=self._reader_version(job), tenant=job.tenant.name,
-                              kv_codec=job.tenant.kv_codec, kv_ttl_seconds=job.tenant.kv_ttl_seconds)
+                              kv_codec=decision.codec or job.tenant.kv_codec, kv_ttl_seconds=job.tenant.kv_ttl_seconds,
+                              prefix_hash=extends.chain_hash if extends else "",
+                              prefix_tokens=extends.tokens if extends else 0)
         pull = GenerateRequest(request_id=job.request_id, token_ids=job.token_ids, max_tokens=job.max_tokens,
                                sampling=job.sampling, stop=job.stop, ignore_eos=job.ignore_eos, kv_id=kv_id,
-                               kv_address=relay.kv_address if relay else prefill.kv_address)
+                               kv_address=relay.kv_address if relay else prefill.kv_address,
+                               tenant=job.tenant.name)  # decode stores the restored prompt under its tenant
+        failed = False
         try:
             async for event in self._remote_stream(job, decode, prefill, body, pull):
                 yield event
+        except PrfaasError:
+            failed = True
+            raise
         finally:
-            if job.first_token_at is None:  # decode never restored it (failed, fell back, client left)
+            # nobody will consume the blob: decode never restored it (it failed, the router fell back, the client
+            # left), or decode failed after a token (a vLLM decode streams prefill's first token before its pull)
+            if job.first_token_at is None or failed:
                 await self.instances.release(pull.kv_address, kv_id)
 
     async def _remote_stream(self, job: Job, decode: InstanceInfo, prefill: InstanceInfo, body: PrefillRequest,
@@ -214,12 +287,15 @@ class Dispatcher:
                 finally:
                     done.cancel()
                     await asyncio.gather(done, return_exceptions=True)
-        except _CLIENT_FAULTS:
+        except (*_CLIENT_FAULTS, PoolQuotaExceeded, KVPrefixMissing) as exc:  # it answered, correctly (this
+            # cluster is over quota; decode no longer holds the prefix the blob extends)
             if job.first_token_at is None:
                 self.scheduler.breakers.success(prefill.instance_id)
+            if isinstance(exc, PoolQuotaExceeded):  # not asked again until its Retry-After (scheduler.quota)
+                self.scheduler.quota.hold(prefill.instance_id, self.scheduler.cluster, exc.retry_after_s)
             raise
         except PrfaasError:
-            self.scheduler.link.record(ok=False)
+            self.scheduler.transfer_done(job.ticket, ok=False)
             if job.first_token_at is None:
                 self.scheduler.breakers.failure(prefill.instance_id)
             raise
@@ -250,15 +326,19 @@ class Dispatcher:
         self.scheduler.prefill_done(prefill.instance_id, len(job.token_ids), done.prefill_ms / 1e3)
         transfer_ms = job.meta.stages.transfer_ms if job.meta.stages else None
         exposed = (transfer_ms or 0.0) - done.prefill_ms - done.queue_ms
-        self.scheduler.link.record(ok=True, exposed_ms=exposed)
+        restore_ms = job.meta.stages.restore_ms if job.meta.stages else None
+        self.scheduler.transfer_done(job.ticket, ok=True, kv_bytes=done.kv_bytes, exposed_s=max(0.0, exposed) / 1e3,
+                                     restore_s=None if restore_ms is None else restore_ms / 1e3)
         metrics.TRANSFER_EXPOSED.observe(max(0.0, exposed) / 1e3)
 
     async def _decode(self, job: Job, decode: InstanceInfo, body: GenerateRequest) -> AsyncIterator[Streamed]:
+        streamed = False
         async with contextlib.aclosing(self.instances.generate(decode, body)) as events:
             async for event in events:
                 if isinstance(event, Failed):
-                    raise event.error()
+                    raise _decode_error(event, decode, streamed)
                 if isinstance(event, Token):
+                    streamed = True
                     self._token(job, event)
                 yield event
                 if isinstance(event, Done):
@@ -270,6 +350,8 @@ class Dispatcher:
         now = time.perf_counter()
         if job.first_token_at is None:
             job.first_token_at = now
+            if job.ticket is not None:  # its prefill is done and its KV delivered
+                job.ticket.close()
             if event.stages is not None:
                 job.meta.add_stages(event.stages)
             job.meta.ttft_ms = round((now - job.arrived) * 1e3, 2)
@@ -288,6 +370,18 @@ def _with_first_token(pull: GenerateRequest, accepted: Accepted) -> GenerateRequ
         return pull
     return replace(pull, first_token=accepted.first_token, first_text=accepted.first_text or "",
                    kv_tokens=accepted.kv_tokens)
+
+
+def _decode_error(event: Failed, decode: InstanceInfo, streamed: bool) -> PrfaasError:
+    """A decode instance's ``error``. Before its stream's first token it is what the instance said (the caller may
+    still prefill locally on that instance). After a token, the instance failed mid-stream (a vLLM decode whose
+    engine died after prefill's first token went out): ``InstanceUnreachable``, so that another instance resumes
+    from the tokens already streamed, as after a cut connection; a client fault stays one."""
+    error = event.error()
+    if not streamed or isinstance(error, _CLIENT_FAULTS):
+        return error
+    return InstanceUnreachable(f"decode instance {decode.instance_id} failed mid-stream ({error.code}: "
+                               f"{error.message})", decode.instance_id)
 
 
 def _decode_failed(exc: PrfaasError, decode: InstanceInfo) -> bool:

@@ -5,7 +5,8 @@ what every role shares: error handlers, metrics, the drain, the guards, ``/healt
 and adds its own routes.
 
 Lifecycle: bind sockets → load the engine (prefill, decode) → start the transfer server (when the role holds a
-store) → serve HTTP and heartbeat the router → on SIGTERM: drain first (``prfaas.services.drain``), then as on
+store) → serve HTTP and heartbeat the router (each router, for a prefill pool with several client clusters) →
+on SIGTERM: drain first (``prfaas.services.drain``), then as on
 SIGINT: deregister, let uvicorn drain open requests,
 close the transfer server, close the store (every blob left gets a ``shutdown`` deletion record, and the audit log a
 ``close`` entry). The store, its backend, audit log and metrics are ``prfaas.services.kvstore.StoreRuntime``.
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from prfaas.config import Config
-from prfaas.messages import InstanceInfo
+from prfaas.messages import InstanceInfo, TcpPeer
 from prfaas.obs import metrics
 from prfaas.security import guards
 from prfaas.security.apikeys import parse_keys
@@ -57,6 +58,11 @@ class InstanceOptions:
     advertise_kv: str = ""  # HOST:PORT peers dial for the KV data port (NAT, load balancer); "" = the bound one
     dtype: str = "float32"
     engine: str = "prfaas"  # prfaas (the embedded engine) | vllm (a child vLLM server: prfaas.vllm.serving)
+    routers: tuple[str, ...] = ()  # more routers to register with: a prefill pool serving several client clusters
+
+    def router_urls(self) -> tuple[str, ...]:
+        """Every router this instance registers and heartbeats with, ``router_url`` first, each once."""
+        return tuple(dict.fromkeys(u.rstrip("/") for u in (self.router_url, *self.routers) if u))
 
 
 Load = Callable[[], dict[str, int]]  # a role's load for heartbeats: queue_depth, free_kv_bytes, …
@@ -85,8 +91,12 @@ class Instance:
         self.closers: list[Callable[[], None]] = []  # run once at shutdown, last first (an engine's child process)
         self.exit_code = 0  # non-zero once ``fail`` was called: the process exits with it, so a supervisor restarts it
         self.drain = InstanceDrain(config, self.store, self._announce)  # SIGTERM / POST /admin/drain (drain.py)
-        self.beat: Heartbeat | None = None  # runs while the app serves (its lifespan)
+        self.beats: list[Heartbeat] = []  # one per router, running while the app serves (its lifespan)
         self._load: Load = dict  # no role yet, no load to report (``build_app`` sets the role's)
+        # held prefix blocks for heartbeats: the engine's prefix cache's summary where it has one (roles.build)
+        self.prefix_blocks: Callable[[], list[str]] = list
+        # the role's data-plane TCP figures per peer address (InstanceInfo.tcp_peers): none unless the role has some
+        self.tcp_peers: Callable[[], list[TcpPeer]] = list
 
     def advertise(self, engine: EngineInfo) -> None:
         """What heartbeats say of the engine this instance serves: fingerprint, model, context, tokenizer root."""
@@ -113,7 +123,8 @@ class Instance:
             "kv_address": self.kv_address, "datacenter": self.config.common.datacenter, "fingerprint": self.fingerprint,
             "model": self.model, "model_root": self.model_root, "max_seq_len": self.max_seq_len,
             "draining": self.drain.draining,
-            "config_hash": self.config.digest(), **self._load()})
+            "config_hash": self.config.digest(), "prefix_blocks": self.prefix_blocks(),
+            "tcp_peers": self.tcp_peers(), **self._load()})
 
     async def serve(self, app: FastAPI) -> None:
         """Serve ``app`` (from ``build_app``) on this core's socket until shutdown; SIGTERM drains first."""
@@ -139,18 +150,18 @@ class Instance:
     async def _lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         server = await self._start_transfer()
         sweeper = asyncio.create_task(self._sweep()) if self.store else None
-        beat = Heartbeat(self.options.router_url, self.info, self.config.common.heartbeat_interval_ms / 1e3,
-                         on_refused=self._refused,
-                         headers=credential(parse_keys(self.config.common.api_keys), self.options.role),
-                         verify=self.security.http_verify())
-        self.beat = beat
-        beat.start()
+        headers = credential(parse_keys(self.config.common.api_keys), self.options.role)
+        self.beats = [Heartbeat(url, self.info, self.config.common.heartbeat_interval_ms / 1e3,
+                                on_refused=self._refused, headers=headers, verify=self.security.http_verify())
+                      for url in self.options.router_urls()]
+        for beat in self.beats:
+            beat.start()
         log.info("%s %s serving on %s (kv %s)", self.options.role, self.options.instance_id, self.url,
                  self.kv_address or "-")
         try:
             yield
         finally:
-            await beat.stop(deregister=True)
+            await asyncio.gather(*(beat.stop(deregister=True) for beat in self.beats))
             if sweeper:
                 sweeper.cancel()
                 await asyncio.gather(sweeper, return_exceptions=True)
@@ -162,10 +173,10 @@ class Instance:
             self.close()
 
     async def _announce(self) -> None:
-        """The drain has begun: restart the heartbeat, whose first beat, at once, says draining."""
-        if self.beat is not None:
-            await self.beat.stop(deregister=False)
-            self.beat.start()
+        """The drain has begun: restart the heartbeats, whose first beat, at once, tells each router it drains."""
+        for beat in self.beats:
+            await beat.stop(deregister=False)
+            beat.start()
 
     def close(self) -> None:
         """Run the closers (idempotent: also called when the process ends without a lifespan)."""

@@ -16,16 +16,23 @@ A stream is an async generator the caller must close (``contextlib.aclosing``): 
 from __future__ import annotations
 
 import contextlib
-import ssl
 from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 import httpx
 
-from prfaas.errors import InstanceUnreachable, InvalidRequest, KVUnavailable, PrfaasError, error_from_code, is_known
+from prfaas.errors import (
+    InstanceUnreachable,
+    InvalidRequest,
+    KVUnavailable,
+    PrfaasError,
+    RateLimited,
+    error_from_code,
+    is_known,
+)
 from prfaas.events import GenerateEvent, PrefillEvent, generate_event, prefill_event
 from prfaas.messages import GenerateRequest, InstanceInfo, Message, PrefillRequest, TokenizeRequest
-from prfaas.transfer.abandon import release_abandoned
+from prfaas.transfer.abandon import Releaser
 
 E = TypeVar("E")
 
@@ -54,12 +61,15 @@ class HttpInstanceClient:
     """``InstanceClient`` over the instances' HTTP API and the store's data plane. Owns nothing: ``client`` is
     the router's, closed by the router."""
 
-    def __init__(self, client: httpx.AsyncClient, kv_ssl: ssl.SSLContext | None = None) -> None:
-        """``kv_ssl``: the router's client TLS context for the data plane (None: plaintext)."""
-        self.client, self.kv_ssl = client, kv_ssl
+    def __init__(self, client: httpx.AsyncClient, releaser: Releaser,
+                 prefill_headers: dict[str, str] | None = None) -> None:
+        """``releaser``: the router's, with its client TLS context for the data plane. ``prefill_headers``: the
+        router's client-cluster identity, sent on ``/prefill`` only (``prfaas.tenancy.clusters``)."""
+        self.client, self.releaser = client, releaser
+        self.prefill_headers = dict(prefill_headers or {})  # holds the cluster's key: never logged
 
     def prefill(self, instance: InstanceInfo, request: PrefillRequest) -> AsyncGenerator[PrefillEvent, None]:
-        return self._stream(instance, "/prefill", request, prefill_event)
+        return self._stream(instance, "/prefill", request, prefill_event, self.prefill_headers)
 
     def generate(self, instance: InstanceInfo, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
         return self._stream(instance, "/generate", request, generate_event)
@@ -78,12 +88,13 @@ class HttpInstanceClient:
         return ids
 
     async def release(self, kv_address: str, kv_id: str) -> None:
-        await release_abandoned(kv_address, kv_id, ssl=self.kv_ssl)
+        await self.releaser.release(kv_address, kv_id)
 
-    async def _stream(self, instance: InstanceInfo, path: str, request: Message,
-                      decode: Callable[[str], E]) -> AsyncGenerator[E, None]:
+    async def _stream(self, instance: InstanceInfo, path: str, request: Message, decode: Callable[[str], E],
+                      headers: dict[str, str] | None = None) -> AsyncGenerator[E, None]:
         with _reaching(instance):
-            async with self.client.stream("POST", f"{instance.url}{path}", json=request.to_json()) as reply:
+            async with self.client.stream("POST", f"{instance.url}{path}", json=request.to_json(),
+                                          headers=headers) as reply:
                 if reply.status_code != 200:
                     await reply.aread()
                     raise refusal(reply)
@@ -122,4 +133,6 @@ def refusal(reply: httpx.Response) -> PrfaasError:
                           str(error.get("message") or f"HTTP {reply.status_code}"))
     if isinstance(exc, InvalidRequest) and isinstance(error.get("param"), str):
         exc.param = error["param"]
+    if isinstance(exc, RateLimited) and reply.headers.get("retry-after", "").isdigit():
+        exc.retry_after_s = int(reply.headers["retry-after"])
     return exc

@@ -20,16 +20,23 @@ from fastapi.responses import StreamingResponse
 from prfaas.config import Config
 from prfaas.errors import InvalidRequest
 from prfaas.events import GenerateEvent, PrefillEvent
-from prfaas.messages import GenerateRequest, PrefillRequest
+from prfaas.messages import GenerateRequest, PrefillRequest, TcpPeer
+from prfaas.security.asgi import peer_of
 from prfaas.services import http, jsonbody
 from prfaas.services.instance import Instance, InstanceOptions
+from prfaas.services.pool import PoolClients
+from prfaas.tenancy.clusters import CLUSTER_HEADER, DEFAULT_POLICY, ClusterPolicy
 
 
 class PrefillBackend(Protocol):
-    def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
-        """NDJSON events: ``accepted``, then ``done`` or ``error``."""
+    def prefill(self, request: PrefillRequest, cluster: ClusterPolicy = DEFAULT_POLICY) -> AsyncIterator[PrefillEvent]:
+        """NDJSON events: ``accepted``, then ``done`` or ``error``. ``cluster``: the client cluster that sent it
+        (proven by ``PoolClients``), for the backend's queue order."""
 
     def load(self) -> dict[str, int]: ...
+
+    def tcp_peers(self) -> list[TcpPeer]:
+        """``TCP_INFO`` of the pushes this process made, per relay address (heartbeats carry it to the router)."""
 
 
 class DecodeBackend(Protocol):
@@ -39,6 +46,9 @@ class DecodeBackend(Protocol):
         """NDJSON events: ``token`` …, then ``done`` or ``error``."""
 
     def load(self) -> dict[str, int]: ...
+
+    def tcp_peers(self) -> list[TcpPeer]:
+        """``TCP_INFO`` of the pulls this process made, per store address (heartbeats carry it to the router)."""
 
 
 class RoleServer:
@@ -64,10 +74,15 @@ class RoleServer:
 
 
 class PrefillServer(RoleServer):
-    """Prefill (datacenter A): ``POST /prefill`` streams the backend's events (``accepted``, ``done``)."""
+    """Prefill (datacenter A): ``POST /prefill`` streams the backend's events (``accepted``, ``done``), for the
+    client cluster that proves who it is and is within its quotas (``prfaas.services.pool``)."""
 
     def __init__(self, core: Instance, backend: PrefillBackend) -> None:
         self.backend = backend
+        # refusals go to the store's access log (an instance in front of vLLM has none: they are logged only)
+        self.pool = PoolClients(core.config, core.options.instance_id, core.kv._accessed if core.kv else None)
+        core.closers.append(self.pool.close)
+        core.tcp_peers = backend.tcp_peers
         super().__init__(core)
 
     def load(self) -> dict[str, int]:
@@ -77,7 +92,11 @@ class PrefillServer(RoleServer):
         self.app.post("/prefill")(self.prefill)
 
     async def prefill(self, request: Request) -> StreamingResponse:
-        return http.ndjson(self.backend.prefill(PrefillRequest.from_json(await jsonbody.read(request))))
+        """403 for a cluster that proves nothing and 429 for one over quota, both before the body is queued."""
+        cluster = self.pool.identify(peer_of(dict(request.scope)), request.headers.get(CLUSTER_HEADER, ""),
+                                     request.headers.get("authorization", ""))
+        body = PrefillRequest.from_json(await jsonbody.read(request))
+        return http.ndjson(self.pool.admitted(cluster, body, self.backend.prefill(body, cluster)))
 
 
 class DecodeServer(RoleServer):
@@ -85,6 +104,7 @@ class DecodeServer(RoleServer):
 
     def __init__(self, core: Instance, backend: DecodeBackend) -> None:
         self.backend = backend
+        core.tcp_peers = backend.tcp_peers
         super().__init__(core)
 
     def load(self) -> dict[str, int]:
@@ -139,6 +159,8 @@ def build(options: InstanceOptions, config: Config) -> RoleServer:
         raise InvalidRequest(f"--engine must be prfaas or vllm, not {options.engine!r}")
     # torch and the model load here, in the process of a role that computes, never in a light one
     from prfaas.engine import load_engine
+    from prfaas.engine.prefix_prefill import PrefixPrefill
+    from prfaas.engine.prefix_records import PrefixLifecycle
     from prfaas.services.decode import DecodeService
     from prfaas.services.prefill import PrefillService
 
@@ -146,7 +168,12 @@ def build(options: InstanceOptions, config: Config) -> RoleServer:
     _ = engine.layer_table  # computed once, before the first request needs it
     core = Instance(options, config, with_store=options.role == "prefill")
     core.advertise(engine)
+    prefix = PrefixPrefill.maybe(engine, config.prefill.prefix_cache_bytes, options.role,
+                                 lambda: PrefixLifecycle.configured(config, options.instance_id))
+    if prefix is not None:
+        core.prefix_blocks = prefix.summary
+        core.closers.append(prefix.cache.lifecycle.close)  # last: what is still cached ends with the process
     if options.role == "prefill":
         return PrefillServer(core, PrefillService(engine, config.prefill, config.transfer, core.store,
-                                                   core.security))
-    return DecodeServer(core, DecodeService(engine, config, core.security))
+                                                   core.security, prefix))
+    return DecodeServer(core, DecodeService(engine, config, core.security, prefix))

@@ -38,6 +38,7 @@ from prfaas.messages import InstanceInfo, SamplingParams
 from prfaas.obs import metrics
 from prfaas.ratelimit import TokenBucket
 from prfaas.scheduler import Scheduler
+from prfaas.scheduler.links import feed_tcp, link_name
 from prfaas.security import apikeys, guards, registration
 from prfaas.security.asgi import peer_of
 from prfaas.security.identity import Peer
@@ -47,7 +48,8 @@ from prfaas.services.dispatch import Dispatcher, Job, Streamed
 from prfaas.services.instance_client import HttpInstanceClient, InstanceClient
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
-from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, metering, redact
+from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, clusters, metering, redact
+from prfaas.transfer.abandon import Releaser
 
 log = logging.getLogger("prfaas.router")
 
@@ -64,9 +66,11 @@ class Router:
         self.security = security
         self.registry = Registry(config.common.heartbeat_timeout_ms / 1e3,
                                  pools={**config.router.pools, **pool_weights.load(config.router.pool_weights_file)})
-        self.scheduler = Scheduler(config.router, mode)
+        self.scheduler = Scheduler(config.router, mode, chunk_bytes=config.transfer.chunk_bytes)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0), verify=security.http_verify())
-        self.instances = instances or HttpInstanceClient(self.client, security.client_ssl())
+        cluster = clusters.router_headers(clusters.parse_clusters(config.clusters), config.router.cluster)
+        self.releaser = Releaser(security.client_ssl())  # abandoned blobs' releases, retried while unreachable
+        self.instances = instances or HttpInstanceClient(self.client, self.releaser, cluster)
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.instances)
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
         self.tenants = Tenants.from_config(config.tenants,
@@ -204,13 +208,20 @@ class Router:
         n = len(job.generated)
         return {"prompt_tokens": len(job.token_ids), "completion_tokens": n, "total_tokens": len(job.token_ids) + n}
 
+    def _publish_links(self) -> None:
+        links = self.scheduler.links.all()
+        metrics.LINK_DEGRADED.set(1 if any(link.monitor.health().degraded for link in links) else 0)
+        for link in links:
+            metrics.LINK_BANDWIDTH.labels(link_name(link.key)).set(link.bandwidth.estimate_bps)
+            metrics.LINK_INFLIGHT.labels(link_name(link.key)).set(link.inflight_bytes)
+
     def _observe(self, job: Job, outcome: str) -> None:
         """A request that reached decode ended: ``outcome`` is "ok", the error code, or "cancelled" (a stream that
         stopped without either)."""
         route, status = job.meta.route or "local", "ok" if outcome == "ok" else "error"
         metrics.REQUESTS.labels(route=route, status=status).inc()
         metrics.POOL_REQUESTS.labels(job.pool, outcome).inc()
-        metrics.LINK_DEGRADED.set(1 if self.scheduler.link.health().degraded else 0)
+        self._publish_links()
         if job.first_token_at is not None:
             metrics.TTFT.labels(route=route).observe(job.first_token_at - job.arrived)
             if job.last_token_at is not None and len(job.generated) > 1:
@@ -247,6 +258,7 @@ def create_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
+        await router.releaser.close()
         await router.client.aclose()
         router.meter.close()
 
@@ -292,6 +304,7 @@ def create_app(router: Router) -> FastAPI:
         try:  # the claimed role and id must be the registrant's (prfaas.security.registration)
             owner = registrar.claim(peer, request.headers.get("authorization", ""), info.role, info.instance_id)
             router.registry.upsert(info, owner)
+            feed_tcp(router.scheduler.links, info, (known for known, _ in router.registry.all()))
         except KVUnauthorized as exc:
             return _refused(request, peer, exc)
         except KVIncompatible as exc:
@@ -310,7 +323,9 @@ def create_app(router: Router) -> FastAPI:
 
     @app.get("/admin/instances")
     async def instances() -> list[dict[str, Any]]:
-        return [{**info.to_json(), "healthy": ok, "breaker": router.scheduler.breakers.state(info.instance_id)}
+        quota = router.scheduler.quota  # seconds until a prefill instance that refused this cluster is asked again
+        return [{**info.to_json(), "healthy": ok, "breaker": router.scheduler.breakers.state(info.instance_id),
+                 "quota_hold_s": round(quota.remaining(info.instance_id, router.scheduler.cluster), 3)}
                 for info, ok in router.registry.all()]
 
     @app.get("/admin/kv")

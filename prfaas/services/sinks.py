@@ -16,7 +16,7 @@ from typing import Protocol
 
 from prfaas.errors import KVTimeout, PrfaasError
 from prfaas.store import BlobStore, accessing
-from prfaas.transfer import push
+from prfaas.transfer import TransferContext, push
 
 PUSH_QUEUE_BYTES = 64 << 20  # frames a push may hold that the relay has not taken yet (per blob)
 
@@ -70,11 +70,13 @@ class PushSink:
     Bounded: at most ``max_queued_bytes`` wait for the connection (one frame always may, whatever its size).
     ``hand_over`` blocks the engine thread while the queue is full — back-pressure onto the forward pass — for at
     most ``timeout_s``; then the push is refused: it stops, later frames are dropped, and ``finish`` raises
-    ``KVTimeout``. A push that fails wakes a blocked ``hand_over`` at once. ``deadline_s`` bounds the whole push."""
+    ``KVTimeout``. A push that fails wakes a blocked ``hand_over`` at once. ``deadline_s`` bounds the whole push.
+    ``context``: the role's (``prfaas.transfer.push``): its recorders keep every push's figures."""
 
     def __init__(self, address: str, kv_id: str, header: bytes, timeout_s: float,
                  tls: ssl.SSLContext | None, tenant: str = "", ttl_s: float = 0.0,
-                 max_queued_bytes: int = PUSH_QUEUE_BYTES, deadline_s: float | None = None) -> None:
+                 max_queued_bytes: int = PUSH_QUEUE_BYTES, deadline_s: float | None = None,
+                 context: TransferContext | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._what, self._timeout_s, self._limit = f"the push of {kv_id} to {address}", timeout_s, max_queued_bytes
@@ -87,7 +89,7 @@ class PushSink:
         self._add(header)
         self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls,
                                               timeout_s=timeout_s, deadline_s=deadline_s, tenant=tenant,
-                                              ttl_s=ttl_s, on_created=self._on_created))
+                                              ttl_s=ttl_s, on_created=self._on_created, context=context))
         self._task.add_done_callback(lambda _: self._wake(ended=True))
 
     @property

@@ -12,13 +12,15 @@ from prfaas.audit.report import entries
 from prfaas.tenancy import metering
 
 
-def usage(logs: list[Path] = typer.Argument(..., help="audit logs: the router's (requests) and every store's",
-                                            exists=True, dir_okay=False),
+def usage(logs: list[Path] = typer.Argument(..., help="audit logs: the router's (requests), every store's and "
+                                            "each prefill instance's pool usage log", exists=True, dir_okay=False),
           day: str = typer.Option(None, "--day", help="UTC day YYYY-MM-DD (default: today); 'all' for everything"),
           out: Path = typer.Option(None, "--out", help="also write the report to this JSON file"),
           as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line")) -> None:
     """Per-tenant usage for one day: requests, tokens, KV bytes across the WAN and byte-seconds held, per
-    datacenter pair, and the offload fraction, summed from the audit logs (check them with `prfaas audit verify`)."""
+    datacenter pair, and the offload fraction; per client cluster of a shared prefill pool: prefills, prompt
+    tokens, prefill seconds, KV bytes per link and refusals over quota (from the prefill instances' usage logs);
+    summed from the audit logs (check them with `prfaas audit verify`)."""
     chosen = None if day == "all" else day or metering.today()
     report = metering.usage_report(entries(list(logs)), chosen)
     text = json.dumps(report, sort_keys=True)
@@ -35,6 +37,11 @@ def usage(logs: list[Path] = typer.Argument(..., help="audit logs: the router's 
                    f"across the WAN, {t['kv_byte_seconds']:.0f} KV byte-seconds held")
         for pair, p in row["pairs"].items():
             typer.echo(f"    {pair}: {p['requests']} requests, {p['kv_wan_bytes']} WAN bytes")
+    for cluster, c in report["clusters"].items():
+        links = ", ".join(f"{link} {n}" for link, n in c["kv_bytes"].items()) or "none"
+        typer.echo(f"  cluster {cluster}: {c['prefills']} prefills, {c['prompt_tokens']} prompt tokens, "
+                   f"{c['prefill_seconds']:.3f} prefill seconds, KV bytes per link: {links}; "
+                   f"{c['refused_over_quota']} refused over quota, {c['failed']} failed")
 
 
 def store_key(path: Path = typer.Argument(..., help="where to write the key (mode 0600; never overwritten)")) -> None:

@@ -16,6 +16,8 @@ Two records feed it, written by the process that knows each fact:
 pair, requests (and how many remote), tokens, WAN bytes, byte-seconds held per datacenter, and the offload fraction
 (remote / all requests; in PromQL: ``sum by (tenant) (prfaas_tenant_requests_total{route="remote"}) / sum by
 (tenant) (prfaas_tenant_requests_total)``).
+And per client cluster of a shared prefill pool (the prefill instances' ``pool`` entries, ``prfaas.services.pool``):
+prompts prefilled, prompt tokens, forward-pass seconds, KV bytes per link, and prompts refused over quota.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from prfaas.obs import metrics
 from prfaas.records import DeletionRecord
 
 REQUEST = "request"
+POOL = "pool"  # a prefill instance's entry per prompt of a client cluster (prfaas.services.pool)
+QUOTA = "POOL_QUOTA_EXCEEDED"  # prfaas.errors.PoolQuotaExceeded.code
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,29 @@ def usage_report(entries: list[dict[str, Any]], day: str | None = None) -> dict[
             held_at[dc] = held_at.get(dc, 0.0) + int(e.get("bytes", 0)) * seconds
     for usage in tenants.values():
         _totals(usage)
-    return {"day": day, "generated_ms": int(time.time() * 1000), "tenants": dict(sorted(tenants.items()))}
+    clusters = _clusters([e for e in entries if e.get("kind") == POOL and lo <= int(e.get("at_ms", 0)) < hi])
+    return {"day": day, "generated_ms": int(time.time() * 1000), "tenants": dict(sorted(tenants.items())),
+            "clusters": clusters}
+
+
+def _clusters(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per client cluster: what the pool prefilled for it (``status`` ok), refused over quota, or failed."""
+    out: dict[str, dict[str, Any]] = defaultdict(lambda: {"prefills": 0, "refused_over_quota": 0, "failed": 0,
+                                                          "prompt_tokens": 0, "prefill_seconds": 0.0,
+                                                          "kv_bytes": {}})
+    for e in entries:
+        row, status = out[str(e.get("cluster"))], str(e.get("status"))
+        if status == "ok":
+            row["prefills"] += 1
+            row["prompt_tokens"] += int(e.get("prompt_tokens", 0))
+            row["prefill_seconds"] = round(row["prefill_seconds"] + float(e.get("prefill_seconds", 0.0)), 6)
+            link = str(e.get("link", ""))
+            row["kv_bytes"][link] = row["kv_bytes"].get(link, 0) + int(e.get("kv_bytes", 0))
+        elif status == QUOTA:
+            row["refused_over_quota"] += 1
+        else:
+            row["failed"] += 1
+    return dict(sorted(out.items()))
 
 
 def _tenant() -> dict[str, Any]:

@@ -83,7 +83,7 @@ async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterabl
     finally:
         reply.cancel()
         await asyncio.gather(reply, return_exceptions=True)
-        ctx.stats.push.connection(tcp.tcp_info(conn.sock))
+        ctx.stats.push.connection(tcp.tcp_info(conn.sock), peer=address)
         await close(conn)
 
 

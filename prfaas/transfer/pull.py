@@ -151,7 +151,7 @@ class _Attempt:
             with mapped(f"pull {self.kv_id}"):
                 await self._receive(conn, offset)
         finally:
-            recorder.connection(_info(conn))
+            recorder.connection(_info(conn), peer=self.address)
             await close(conn)
 
     async def _receive(self, conn: Conn, offset: int) -> None:

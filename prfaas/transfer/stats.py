@@ -5,7 +5,10 @@ For the scheduler (additive, stable): ``LinkRecorder.health() -> LinkStats`` sum
 transfers the role made: count, failures, success rate, goodput (payload Gbit/s while transferring), P50/P99
 whole-blob seconds, the smoothed TCP RTT and retransmissions seen in ``TCP_INFO``, retries started and refused.
 ``LinkStats.to_dict()`` is JSON-ready (for a heartbeat or a ``/stats`` reply). The same figures are exported as
-``prfaas_transfer_*`` metrics (``prfaas.obs.metrics``).
+``prfaas_transfer_*`` metrics (``prfaas.obs.metrics``). ``LinkRecorder.peers()`` keeps them per peer data address
+as well (the last connection's smoothed RTT, the retransmissions summed), for the ``MAX_PEERS`` peers used last:
+an instance's heartbeat carries them (``InstanceInfo.tcp_peers``) and the router, which knows each address's
+datacenter, feeds the link of that datacenter pair (``prfaas.scheduler.links.Link.observe_tcp``).
 
 Deadline rule (docs/contracts.md): a blob of ``n`` chunks of ``chunk_bytes`` must arrive within ``n × chunk_bytes /
 bandwidth + kv_transfer_timeout_ms``, with ``bandwidth`` the goodput measured over the last minute (``FLOOR_BPS`` until
@@ -23,11 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from prfaas.messages import MAX_RTT_MS, MAX_TCP_PEERS, TcpPeer
 from prfaas.obs import metrics
 from prfaas.transfer.tcp import TcpInfo
 
@@ -35,6 +39,7 @@ WINDOW_S = 60.0
 RETRY_FRACTION = 0.01
 MIN_RETRIES = 3
 FLOOR_BPS = 1e9  # assumed bandwidth before any measurement (1 Gbit/s)
+MAX_PEERS = MAX_TCP_PEERS  # peers whose TCP figures are kept (and sent in a heartbeat): the ones used last
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class LinkRecorder:
         self.retries_refused = 0
         self.rtt_us = 0
         self.retransmits = 0
+        self._peers: OrderedDict[str, TcpPeer] = OrderedDict()  # least recently used first
 
     def started(self) -> None:
         self._started.append(self.clock())
@@ -90,8 +96,8 @@ class LinkRecorder:
         metrics.TRANSFER_P50.labels(op=self.op).set(health.p50_ms / 1e3)
         metrics.TRANSFER_P99.labels(op=self.op).set(health.p99_ms / 1e3)
 
-    def connection(self, info: TcpInfo | None, retrans_before: int = 0) -> None:
-        """Fold one connection's ``TCP_INFO`` in (at its end)."""
+    def connection(self, info: TcpInfo | None, retrans_before: int = 0, peer: str = "") -> None:
+        """Fold one connection's ``TCP_INFO`` in (at its end); ``peer``: the address it was connected to."""
         if info is None:
             return
         self.rtt_us = info.rtt_us
@@ -99,6 +105,18 @@ class LinkRecorder:
         self.retransmits += added
         metrics.TRANSFER_RTT.labels(op=self.op).set(info.rtt_us / 1e6)
         metrics.TRANSFER_RETRANSMITS.labels(op=self.op).inc(added)
+        if peer:
+            self._peer(peer, info.rtt_us / 1e3, added)
+
+    def _peer(self, peer: str, rtt_ms: float, added: int) -> None:
+        before = self._peers.pop(peer, None)
+        self._peers[peer] = TcpPeer(peer[:300], min(rtt_ms, MAX_RTT_MS), (before.retransmits if before else 0) + added)
+        while len(self._peers) > MAX_PEERS:
+            self._peers.popitem(last=False)
+
+    def peers(self) -> list[TcpPeer]:
+        """The TCP figures of the last ``MAX_PEERS`` peers connected to, least recently used first."""
+        return list(self._peers.values())
 
     def allow_retry(self, code: str) -> bool:
         """Whether a new retry may start now (the global cap); counts it when it may."""

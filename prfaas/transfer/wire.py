@@ -171,12 +171,25 @@ class Conn:
         (``SO_RCVLOWAT``), so a large frame arrives in a few wake-ups of the event loop instead of one per few
         segments (on a 1 Gbit path a wake-up brought a few KiB). Never more than the waiter still needs (set before
         every wait, one system call when it changes): the kernel also wakes it at end of stream, on errors, and
-        when its buffer or window runs short."""
-        target = max(1, min(need, LOWAT_MAX))
+        when its buffer or window runs short.
+
+        The threshold stays within a quarter of the socket's current receive buffer: Linux meets a larger one by
+        growing the buffer to it and clamping the advertised window to the threshold, and autotuning, which grows
+        the window from what arrives per round trip, then never lifts the clamp: a fresh connection stays at
+        512 KiB per round trip (45 Mbit/s over 50 ms of RTT, docs/planning.md). A quarter keeps the kernel's
+        space for it below the buffer (the space is twice the window at its default scaling ratio)."""
+        target = max(1, min(need, LOWAT_MAX, self._receive_buffer() // 4))
         if target != self._lowat:
             self._lowat = target
             with contextlib.suppress(OSError):
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, target)
+
+    def _receive_buffer(self) -> int:
+        """The socket's receive buffer now (``SO_RCVBUF``: autotuning grows it as the connection speeds up)."""
+        try:
+            return int(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+        except OSError:
+            return LOWAT_MAX
 
     def write_eof(self) -> None:
         """Half-close: the peer reads end-of-stream after what was sent (TLS state kept: no close_notify)."""

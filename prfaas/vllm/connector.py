@@ -301,6 +301,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self._table: tuple[dict[str, Any], ...] = ()
         self._index: dict[str, int] = {}
         self._begun: set[str] = set()
+        self._hold = False  # saved layers wait for the step's end (settings.overlap; set with the caches)
         self._pending: dict[str, _Load] = {}
         self._bad_blocks: set[int] = set()
 
@@ -311,6 +312,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         names = sorted((name for name in kv_caches if name in self._group_of),
                        key=lambda name: (self._group_of[name].is_state, layout.forward_order(name)))
         self._caches = {name: kv_caches[name] for name in names}
+        device = next(iter(self._caches.values())).device.type if self._caches else "cpu"
+        self._hold = self.settings.holds_layers(device)
         self._index = {name: i for i, name in enumerate(self._caches)}
         self._table = tuple({"index": i, "kind": self._group_of[name].kind, "grows": not self._group_of[name].is_state,
                              "window": self._group_of[name].window} for i, name in enumerate(self._caches))
@@ -332,7 +335,8 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         blocks = layout.gather(kv_layer, spec.block_ids[group.index])
         entry = self._table[self._index[layer_name]]
         attrs = {"layer": layer_name, "first_block": spec.first[group.index]}
-        self.plane.add_layer(spec.kv_id, LayerState(tensors={layout.TENSOR: blocks}, attrs=attrs, **entry))
+        self.plane.add_layer(spec.kv_id, LayerState(tensors={layout.TENSOR: blocks}, attrs=attrs, **entry),
+                             hold=self._hold)
 
     def _begin(self, spec: SaveSpec) -> None:
         if spec.kv_id in self._begun or self.plane is None:

@@ -8,15 +8,18 @@ threads it starts (prfaas's verify pool) inherit that.
 What runs where. The worker thread (vLLM's) only queues: each saved layer (plain numpy, no torch here) goes to
 the encoder thread, which runs the producer's ``BlobWriter`` (codec, chunking, xxHash64) and hands the frames to
 the blob's sink (``prfaas.services.sinks``, as prfaas's own prefill does): direct mode, a ``BlobStore`` served by
-a ``TransferServer`` (the consumer pulls from it); relay mode, a bounded push into the relay's store. The loop
-thread: the store, the pushes, the consumer's ``pull`` (striped, resuming, retried, deadline) and ``release``.
+a ``TransferServer`` (the consumer pulls from it); relay mode, a bounded push into the relay's store. A layer goes
+at once, while later layers compute, or is held until the step's ``finish`` (for at most half a pull's stall
+timeout) where the encoder would take cores and the GIL from the forward pass (vLLM on CPU: the connector's
+``overlap``). The loop thread: the store, the pushes, the consumer's ``pull`` (striped, resuming, retried,
+deadline) and ``release``.
 
 Memory is bounded: a push holds at most ``PUSH_QUEUE_BYTES`` the relay has not taken; beyond that the encoder
 waits (for at most ``kv_transfer_timeout_s``, then the push is refused and the rest of its blob dropped), and
 the worker waits once it is ``ENCODE_QUEUE`` layers ahead of the encoder — back-pressure onto the forward pass,
-as on prfaas's engine. Consumer calls return a ``concurrent.futures.Future``. A producer's failure aborts its
-blob and is logged: the consumer then finds no blob (``KV_NOT_FOUND``) or a cut one (``KV_TRUNCATED``) and vLLM
-recomputes.
+as on prfaas's engine; held layers are the copies of one step's saved blocks. Consumer calls return a
+``concurrent.futures.Future``. A producer's failure aborts its blob and is logged: the consumer then finds no blob
+(``KV_NOT_FOUND``) or a cut one (``KV_TRUNCATED``) and vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import json
 import logging
 import os
 import queue
@@ -38,6 +42,7 @@ from prfaas.errors import KVNotFound, KVTimeout, KVUnavailable, PrfaasError
 from prfaas.kv.format import BlobHeader, BlobReader, BlobWriter
 from prfaas.kv.state import KVState, LayerState
 from prfaas.limits import DEFAULT as DEFAULT_LIMITS
+from prfaas.messages import MAX_TCP_PEERS
 from prfaas.security.dataplane import DataPlaneGuard
 from prfaas.services.sinks import FrameSink, PushSink, StoreSink
 from prfaas.store.memory import BlobStore
@@ -99,6 +104,8 @@ class _Outgoing:
         except Exception as exc:  # refused push, store full, relay gone: the consumer recomputes
             _not_written(self.kv_id, exc)
             await _abort(sink)
+        finally:
+            self.plane.report_tcp()
 
 
 async def _abort(sink: FrameSink) -> None:
@@ -123,6 +130,9 @@ class DataPlane:
         self.store: BlobStore | None = None
         self.server: TransferServer | None = None
         self._outgoing: dict[str, _Outgoing] = {}  # the encoder thread's
+        # the worker thread's: when each blob was begun, and the layers it holds back (``add_layer``'s ``hold``)
+        self._begun_at: dict[str, float] = {}
+        self._held: dict[str, list[LayerState]] = {}
         self._encoding: queue.Queue[Callable[[], None] | None] = queue.Queue(ENCODE_QUEUE)
         self._encoder = threading.Thread(target=self._encode, name=f"{name}-encode", daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to tasks
@@ -192,14 +202,26 @@ class DataPlane:
         """Start blob ``header.kv_id``: pushed to ``relay``, or (None) kept in this producer's store. Like
         ``add_layer`` and ``finish``, returns once queued: the worker waits only while the encoder is
         ``ENCODE_QUEUE`` steps behind (a full push)."""
+        self._begun_at[header.kv_id] = time.monotonic()
         self._encoding.put(functools.partial(self._begin, header, relay))
 
-    def add_layer(self, kv_id: str, layer: LayerState) -> None:
-        self._encoding.put(functools.partial(self._add, kv_id, layer))
+    def add_layer(self, kv_id: str, layer: LayerState, hold: bool = False) -> None:
+        """Queue ``layer`` for the encoder. ``hold``: keep it until ``finish`` instead, while the blob is younger
+        than half of ``kv_transfer_timeout_s`` — a consumer's pull, waiting on the begun blob, takes a longer
+        silence for a stall — and from then on queue the held layers and each next one at once."""
+        held = self._held.setdefault(kv_id, [])
+        if hold and time.monotonic() - self._begun_at.get(kv_id, 0.0) < self.settings.kv_transfer_timeout_s / 2:
+            held.append(layer)
+            return
+        for each in [*held, layer]:
+            self._encoding.put(functools.partial(self._add, kv_id, each))
+        held.clear()
 
     def finish(self, kv_id: str) -> None:
-        """Write the trailer (the push, or the store, completes on the loop)."""
-        self._encoding.put(functools.partial(self._finish, kv_id))
+        """Encode the layers held for ``kv_id``, then write the trailer (the push, or the store, completes on the
+        loop); one step of the encoder's queue."""
+        self._begun_at.pop(kv_id, None)
+        self._encoding.put(functools.partial(self._finish, kv_id, self._held.pop(kv_id, [])))
 
     def _begin(self, header: BlobHeader, relay: str | None) -> None:
         """Encoder thread: open the blob's sink on the loop (bounded); a blob that cannot start is logged and
@@ -218,8 +240,10 @@ class DataPlane:
         if (out := self._outgoing.get(kv_id)) is not None:
             out.add(layer)
 
-    def _finish(self, kv_id: str) -> None:
+    def _finish(self, kv_id: str, held: list[LayerState]) -> None:
         if (out := self._outgoing.pop(kv_id, None)) is not None:
+            for layer in held:
+                out.add(layer)
             out.close()
 
     def pushing_bytes(self) -> int:
@@ -235,7 +259,7 @@ class DataPlane:
         settings = self.settings
         if relay is not None:
             return PushSink(relay, kv_id, header, settings.kv_transfer_timeout_s, tls=self.client_ssl,
-                            deadline_s=settings.kv_deadline_s)
+                            deadline_s=settings.kv_deadline_s, context=self.transfer)
         if self.store is None:
             raise KVUnavailable("this producer has no store of its own (no kv_address)")
         return StoreSink(self.store, kv_id, header, ttl_s=settings.kv_ttl_s)
@@ -267,6 +291,24 @@ class DataPlane:
                         await asyncio.sleep(0.01)  # the producer may not have created it yet
         except TimeoutError as exc:
             raise KVTimeout(f"pull of {kv_id} passed its {settings.kv_deadline_s} s deadline") from exc
+        finally:
+            self.report_tcp()
+
+    def report_tcp(self) -> None:
+        """Loop thread: write this connector's ``TCP_INFO`` per peer (its pushes', then its pulls') into
+        ``tcp_file``. The connector runs in vLLM's process; its prfaas instance, in another, reads the file for its
+        heartbeat (``prfaas.vllm.server``). Written beside and renamed over, so a reader never sees half of it."""
+        path = self.settings.tcp_file
+        if not path:
+            return
+        stats = self.transfer.stats
+        peers = [peer.to_json() for peer in (stats.push.peers() + stats.pull.peers())[-MAX_TCP_PEERS:]]
+        try:
+            with open(f"{path}.tmp", "w") as f:
+                json.dump(peers, f)
+            os.replace(f"{path}.tmp", path)
+        except OSError as exc:  # the figures are advisory: a full disk must not fail a pull
+            log.warning("cannot write the connector's TCP figures to %s: %s", path, exc)
 
     def release(self, address: str, kv_id: str) -> concurrent.futures.Future[dict[str, Any]]:
         return self.call(client.release(address, kv_id, ssl=self.client_ssl,

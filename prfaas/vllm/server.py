@@ -4,8 +4,10 @@ The instance process stays light (no torch, no vLLM): it starts ``prfaas.vllm.la
 virtualenv (``.venv-vllm/bin/python``, or ``$PRFAAS_VLLM_PYTHON``) with ``PrfaasConnector`` in the role's KV role,
 in a process group of its own, waits until it is healthy (bounded), reads what the connector wrote into its
 ``info_file`` (fingerprint, KV bytes per token, KV cache size), then talks to it over HTTP on 127.0.0.1 only.
-A thread polls vLLM's ``/metrics`` for the heartbeat's load, and reports a vLLM that died (``on_death``: the
-instance then stops and exits non-zero, to be restarted). ``stop`` ends the whole process group (SIGTERM, then
+A thread polls vLLM's ``/metrics`` for the heartbeat's load and the connector's ``tcp_file`` for the heartbeat's
+``tcp_peers`` (the connector pulls and pushes in vLLM's process, so its ``TCP_INFO`` per peer reaches this one as
+a file it rewrites after each transfer), and reports a vLLM that died (``on_death``: the instance then stops and
+exits non-zero, to be restarted). ``stop`` ends the whole process group (SIGTERM, then
 SIGKILL), so vLLM's engine process goes with it; the child also gets SIGTERM from the kernel if the instance dies.
 
 Knobs from the environment (vLLM's, not prfaas's config): ``VLLM_CPU_KVCACHE_SPACE`` (GiB, default 1),
@@ -36,6 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from prfaas.errors import InvalidRequest, KVUnavailable
+from prfaas.messages import MAX_TCP_PEERS, TcpPeer
 from prfaas.services.supervisor import die_with_parent
 
 log = logging.getLogger("prfaas.vllm")
@@ -102,17 +105,20 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="prfaas-vllm-")
         self.info_file = os.path.join(self._dir, "info.json")
+        self.tcp_file = os.path.join(self._dir, "tcp_peers.json")  # the connector's TCP_INFO per peer
         self.process: subprocess.Popen[bytes] | None = None
         self.info: dict[str, Any] = {}
         self.max_model_len = 0
         self.load = Load()
+        self.tcp_peers: list[TcpPeer] = []  # from tcp_file, refreshed with the load
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name="vllm-metrics", daemon=True)
 
     def command(self) -> list[str]:
         config = {"kv_connector": "PrfaasConnector", "kv_connector_module_path": "prfaas.vllm.connector",
                   "kv_role": self.spec.kv_role, "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {**self.spec.extra, "info_file": self.info_file}}
+                  "kv_connector_extra_config": {**self.spec.extra, "info_file": self.info_file,
+                                                "tcp_file": self.tcp_file}}
         return [vllm_python(), "-m", "prfaas.vllm.launch", "serve", self.spec.model_dir,
                 "--served-model-name", self.spec.served_name, "--host", "127.0.0.1", "--port", str(self.port),
                 "--dtype", self.spec.dtype, "--enforce-eager", "--no-enable-prefix-caching",
@@ -163,6 +169,7 @@ class VllmServer:
                 return
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 self.load = parse_load(httpx.get(f"{self.url}/metrics", timeout=2.0).text)
+            self.tcp_peers = read_tcp_peers(self.tcp_file, self.tcp_peers)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -192,6 +199,26 @@ def parse_load(text: str) -> Load:
     return Load(waiting=int(found.get("vllm:num_requests_waiting", 0)),
                 running=int(found.get("vllm:num_requests_running", 0)),
                 kv_usage=found.get("vllm:kv_cache_usage_perc", 0.0))
+
+
+def read_tcp_peers(path: str, last: list[TcpPeer]) -> list[TcpPeer]:
+    """The connector's ``tcp_file`` as typed records; ``last`` while there is none yet or it cannot be read (it is
+    replaced whole, so a bad one is another writer's, and logged)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return last
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read the connector's TCP figures in %s: %s", path, exc)
+        return last
+    try:
+        if not isinstance(data, list):
+            raise InvalidRequest(f"{path} must hold a list")
+        return [TcpPeer.from_json(item) for item in data[-MAX_TCP_PEERS:]]
+    except InvalidRequest as exc:
+        log.warning("the connector's TCP figures in %s are not valid: %s", path, exc.message)
+        return last
 
 
 _LOAD_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")

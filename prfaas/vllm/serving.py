@@ -45,8 +45,9 @@ import httpx
 from prfaas.config import Config
 from prfaas.errors import InvalidRequest, KVUnavailable, PrfaasError
 from prfaas.events import Accepted, Done, Failed, GenerateEvent, PrefillDone, PrefillEvent, Stages, Token
-from prfaas.messages import GenerateRequest, PrefillRequest, SamplingParams
+from prfaas.messages import GenerateRequest, PrefillRequest, SamplingParams, TcpPeer
 from prfaas.services.instance import Instance
+from prfaas.tenancy.clusters import DEFAULT_POLICY, ClusterPolicy
 from prfaas.transfer.abandon import release_abandoned
 from prfaas.vllm.server import LaunchSpec, VllmServer, free_port, resolve_model, vllm_python
 
@@ -106,6 +107,11 @@ class _VllmService:
     def _kv_budget(self) -> int:
         return int(self.server.info.get("kv_budget_bytes", 0))
 
+    def tcp_peers(self) -> list[TcpPeer]:
+        """``TCP_INFO`` per peer of the connector's pulls (decode) or pushes (prefill, relay mode): the connector
+        runs in vLLM's process and hands them over in a file (``VllmServer.tcp_peers``)."""
+        return self.server.tcp_peers
+
     def load(self) -> dict[str, int]:
         load, budget = self.server.load, self._kv_budget()
         return {"queue_depth": load.waiting + load.running,
@@ -115,8 +121,10 @@ class _VllmService:
 class VllmPrefill(_VllmService):
     """The prefill role on vLLM: its connector owns the blob from the first saved layer (own store or push)."""
 
-    async def prefill(self, request: PrefillRequest) -> AsyncIterator[PrefillEvent]:
-        """``accepted``, then ``done`` (first token, KV bytes) or ``error``."""
+    async def prefill(self, request: PrefillRequest, cluster: ClusterPolicy = DEFAULT_POLICY
+                      ) -> AsyncIterator[PrefillEvent]:
+        """``accepted``, then ``done`` (first token, KV bytes) or ``error``. ``cluster`` is not used: vLLM's own
+        scheduler orders its queue (the pool's quotas and metering apply in front of it, ``PrefillServer``)."""
         arrived = time.perf_counter()
         try:
             self._check(request)
@@ -205,12 +213,10 @@ class VllmDecode(_VllmService):
             params: dict[str, Any] = {"do_remote_prefill": True, "kv_id": request.kv_id,
                                       "kv_address": request.kv_address}
             body["kv_transfer_params"] = {**params, "kv_tokens": request.kv_tokens} if request.kv_tokens else params
-        try:
+        try:  # a failure after prefill's token: the router resumes elsewhere and releases the blob
             async for event in self._stream(body, remote=bool(request.kv_id), sent=0 if first is None else 1):
                 yield event
         except (PrfaasError, httpx.HTTPError) as exc:
-            if first is not None:  # the router saw a token, so it will not release the blob itself
-                await release_abandoned(request.kv_address, request.kv_id, ssl=self.kv_ssl)
             yield _failure(exc)
 
     async def _stream(self, body: dict[str, Any], remote: bool, sent: int) -> AsyncIterator[GenerateEvent]:

@@ -12,7 +12,17 @@ Keys (all optional)::
                                    the router names the relay per request, as ``push_to``)
     info_file         path         where the connector writes, at start-up, what its prfaas instance advertises:
                                    ``{"fingerprint", "kv_bytes_per_token", "kv_budget_bytes"}`` (JSON)
+    tcp_file          path         where the connector writes, after each pull and push, its connections'
+                                   ``TCP_INFO`` per peer data address (``[{peer, rtt_ms, retransmits}]``, JSON,
+                                   at most ``MAX_TCP_PEERS``), replaced whole: its prfaas instance's heartbeat
+                                   carries them (``InstanceInfo.tcp_peers``)
     codec             "none"       prfaas KV codec (``prfaas.kv.codecs``); "none" is byte-exact
+    overlap           "auto"       when a producer encodes and sends each saved layer: "layers", at once, while
+                                   later layers compute (the forward pass runs on an accelerator); "step", after
+                                   the step's forward pass (on CPU, where the encoder thread would take cores and
+                                   the GIL from vLLM's OpenMP threads; a step longer than half of
+                                   ``kv_transfer_timeout_s`` sends its layers from then on); "auto": "step"
+                                   where the KV cache is in host memory, else "layers"
     chunk_kb          1024         blob chunk size
     store_budget_mb   1024         direct mode: the producer's store budget
     kv_ttl_s          60           direct mode: how long an unreleased blob is kept (a relay applies its own)
@@ -36,6 +46,8 @@ from prfaas.config import TLSConfig
 from prfaas.errors import InvalidRequest
 from prfaas.kv import codecs
 
+OVERLAPS = ("auto", "layers", "step")
+
 
 @dataclass(frozen=True)
 class ConnectorSettings:
@@ -44,7 +56,9 @@ class ConnectorSettings:
     relays: tuple[str, ...] = ()
     relay_from_request: bool = False
     info_file: str | None = None
+    tcp_file: str | None = None
     codec: str = "none"
+    overlap: str = "auto"
     chunk_kb: int = 1024
     store_budget_mb: int = 1024
     kv_ttl_s: float = 60.0
@@ -56,6 +70,8 @@ class ConnectorSettings:
 
     def __post_init__(self) -> None:
         codecs.check_codec(self.codec)
+        if self.overlap not in OVERLAPS:
+            raise InvalidRequest(f"kv_connector_extra_config overlap must be one of {list(OVERLAPS)}")
         for name in ("chunk_kb", "store_budget_mb", "kv_ttl_s", "kv_transfer_timeout_s", "kv_deadline_s"):
             if getattr(self, name) <= 0:
                 raise InvalidRequest(f"kv_connector_extra_config {name} must be positive")
@@ -97,6 +113,10 @@ class ConnectorSettings:
     def pushes_to(self, address: str) -> bool:
         """Whether blobs for ``address`` are pushed (a relay) rather than kept in this producer's store."""
         return address != self.kv_address or self.kv_address is None
+
+    def holds_layers(self, device_type: str) -> bool:
+        """Whether saved layers wait for the step's end (``overlap``) with the KV cache on ``device_type``."""
+        return self.overlap == "step" or (self.overlap == "auto" and device_type == "cpu")
 
     @property
     def chunk_bytes(self) -> int:

@@ -25,17 +25,18 @@ def inst(iid: str, role: str, fp: Fingerprint | None = FP, config: str = "abc", 
 
 def test_a_consistent_deployment_passes() -> None:
     found = check([inst("d0", "decode"), inst("p0", "prefill"), inst("r0", "relay", None)],
-                  {"router_config_hash": "abc", "router_format_version": 1})
+                  {"router_config_hash": "abc", "router_format_version": FP.format_version})
     assert [f for f in found if f.level in (ERROR, WARN)] == []
 
 
 def test_planted_mismatches_are_found() -> None:
-    far = dataclasses.replace(FP, format_version=3)
+    far = dataclasses.replace(FP, format_version=FP.format_version + 2)
     other = dataclasses.replace(FP, model="m2", weights="w2")
     found = check([inst("d0", "decode"), inst("p0", "prefill", far), inst("p1", "prefill", other, config="zzz"),
-                   inst("d9", "decode", healthy=False)], {"router_config_hash": "abc", "router_format_version": 1})
+                   inst("d9", "decode", healthy=False)],
+                  {"router_config_hash": "abc", "router_format_version": FP.format_version})
     text = "\n".join(f"{f.level} {f.message}" for f in found)
-    assert "error blob format versions 1" in text and "more than one apart" in text
+    assert f"error blob format versions {FP.format_version}" in text and "more than one apart" in text
     assert f"error pool {other.pool_key()} (m2) has no decode instance" in text
     assert "error d9 (decode) has missed its heartbeats" in text
     assert "warn config differs" in text and "zzz: p1" in text

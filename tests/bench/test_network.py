@@ -46,6 +46,41 @@ def test_a_soak_cuts_the_link_again_every_interval_and_restores_it() -> None:
     assert Lab(topo=topo).status()["up"] is False
 
 
+@pytest.mark.skipif(REASON is not None, reason=f"lab unavailable here: {REASON}")
+def test_a_run_on_a_three_datacenter_lab_changes_its_targets_link_and_restores_each_link_to_its_own() -> None:
+    topo = Topology.numbered(12, decode_dcs=2)
+    Lab(topo=topo).down()
+    [b, c] = topo.wires
+    own = {b.name: LinkSettings(rate="200mbit"), c.name: LinkSettings(rate="50mbit", loss=0.001)}
+    with Lab(LinkSettings(), topo, own) as lab:
+        control = NetworkControl(Network(rate="1gbit", loss=0.02, cut_at_s=0.0, cut_s=1.0), topo=topo,
+                                 target=f"http://{c.public}:8001")
+        assert control.link_name == c.name
+        assert control.apply("loss") == LinkSettings(rate="1gbit", loss=0.02)
+        assert lab.current(c.name).loss == 0.02 and lab.current(b.name) == own[b.name]  # the other cluster's link
+
+        async def cut() -> list[tuple[bool, bool]]:  # (b cut, c cut) while the cut is on
+            task = asyncio.create_task(control.cut_during(time.perf_counter(), asyncio.Event()))
+            seen = []
+            while not task.done():
+                seen.append((lab.current(b.name).cut, lab.current(c.name).cut))
+                await asyncio.sleep(0.05)
+            await task
+            return seen
+
+        seen = asyncio.run(cut())
+        assert (False, True) in seen and all(not b_cut for b_cut, _ in seen), seen
+        control.close()
+        assert {name: lab.current(name) for name in own} == own
+        anywhere = NetworkControl(Network(rate="1gbit"), topo=topo, target="http://127.0.0.1:8000")
+        assert anywhere.link_name is None  # not a lab router: every link alike, each restored to its own after
+        anywhere.apply("normal")
+        assert {lab.current(name).rate for name in own} == {"1gbit"}
+        anywhere.close()
+        assert {name: lab.current(name) for name in own} == own
+    assert Lab(topo=topo).status()["up"] is False
+
+
 def test_delay_cells_may_run_at_their_own_rate() -> None:
     control = NetworkControl(Network(rate="10gbit", delay_rate="1gbit"))
     assert control.settings("delay").rate == "1gbit" and control.settings("delay").delay_ms == 10.0

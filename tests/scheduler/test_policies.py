@@ -12,14 +12,7 @@ from prfaas.scheduler import CircuitBreaker, LinkMonitor, PrefillSpeed, Schedule
 from prfaas.scheduler.breaker import CLOSED, HALF_OPEN, OPEN
 from prfaas.scheduler.placement import decode_candidates, pick_decode, pick_prefill
 from prfaas.services.registry import Registry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.clock import Clock
 
 
 def inst(name: str, role: str = "decode", queue: int = 0, free: int = 10**9, fp: dict | None = None) -> InstanceInfo:
@@ -154,7 +147,7 @@ def test_routes() -> None:
     assert s.route(500, prefill, []).reason_code == "no_relay"
     assert Scheduler(config, "direct").route(500, prefill, []).route == "remote"
     for _ in range(10):
-        s.link.record(False)
+        s.links.get("", "").monitor.record(False)
     assert s.route(500, prefill, relay).route == "remote"  # the first one probes the link
     assert s.route(500, prefill, relay).reason_code == "link_degraded"
     strict = Scheduler(dataclasses.replace(config, fallback_local_prefill=False), "relay")

@@ -27,7 +27,9 @@ JUNK = st.recursive(st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70)
                     max_leaves=8)
 HEARTBEAT = st.fixed_dictionaries({}, optional={
     "instance_id": TEXT | JUNK, "role": TEXT | JUNK, "url": TEXT | JUNK, "fingerprint": JUNK, "model": TEXT | JUNK,
-    "max_seq_len": JUNK, "free_kv_bytes": JUNK, "queue_depth": JUNK, "draining": JUNK, "datacenter": JUNK}) | JUNK
+    "max_seq_len": JUNK, "free_kv_bytes": JUNK, "queue_depth": JUNK, "draining": JUNK, "datacenter": JUNK,
+    "tcp_peers": JUNK | st.lists(st.dictionaries(st.sampled_from(["peer", "rtt_ms", "retransmits"]), JUNK),
+                                 max_size=3)}) | JUNK
 BODIES = {"/internal/heartbeat": HEARTBEAT, "/internal/deregister": st.fixed_dictionaries(
     {}, optional={"instance_id": TEXT | JUNK}) | JUNK, "/admin/pools": st.fixed_dictionaries(
     {}, optional={"weights": st.dictionaries(TEXT, st.floats(-1, 2) | JUNK, max_size=3) | JUNK}) | JUNK}

@@ -53,6 +53,13 @@ def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...
     try:
         children = descendants(proc.pid)
         yield url, proc
+    except BaseException:
+        # what the deployment said, for the failure's report (pytest shows captured stderr); pread leaves the
+        # offset the children write at alone
+        size = os.fstat(log.fileno()).st_size
+        said = os.pread(log.fileno(), 6000, max(0, size - 6000)).decode(errors="replace")
+        print(f"prfaas up's log, its end:\n{said}", file=sys.stderr)
+        raise
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -84,7 +91,7 @@ def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...]) -> tup
         log.seek(0)
         said = log.read().decode(errors="replace")
         log.close()
-        if "cannot listen on" not in said and "address already in use" not in said:
+        if "cannot listen on" not in said and "address already in use" not in said.lower():
             raise AssertionError(f"the deployment did not come up (exit {proc.returncode}):\n{said[-3000:]}")
     raise AssertionError("no free port for the router in 3 tries")
 

@@ -180,7 +180,7 @@ def test_a_prefill_that_blames_the_request_is_not_retried_and_stays_healthy() ->
 def test_a_degraded_link_keeps_long_prompts_local() -> None:
     r, fake = router()
     for _ in range(50):
-        r.scheduler.link.record(ok=False)
+        r.scheduler.links.get("dc-a", "dc-b").monitor.record(ok=False)  # the prefills' link to the decodes
     assert complete(r)["prfaas"]["route"] == "remote"  # a probe gets through now and then (link.py)
     meta = complete(r)["prfaas"]
     assert (meta["route"], meta["reason_code"]) == ("local", "link_degraded")
@@ -200,6 +200,30 @@ def test_a_decode_that_dies_mid_stream_is_resumed_elsewhere_without_repeating_to
     assert resumed.step_offset == 2 and resumed.max_tokens == 4
     assert resumed.token_ids == [*first.token_ids, token_at(0), token_at(1)]
     assert fake.blobs == {}
+
+
+def test_a_decode_that_fails_after_prefills_first_token_is_resumed_elsewhere() -> None:
+    """A vLLM decode streams prefill's first token before its own engine runs; that engine failing afterwards
+    (an ``error`` event, not a cut connection) is resumed on another instance from the prompt and that token."""
+    r, fake = router(decodes=2)
+    fake.prefills["p0"] = PrefillScript(first_token_at_accept=True)
+    fake.decodes["d0"] = DecodeScript(fail=KVUnavailable("vLLM did not answer"))
+    reply = complete(r, max_tokens=4)
+    [first], [resumed] = fake.calls_to("generate", "d0"), fake.calls_to("generate", "d1")
+    assert tokens_of(reply["choices"][0]["text"]) == [token_at(s) for s in range(4)]
+    assert resumed.token_ids == [*first.token_ids, token_at(0)] and not resumed.kv_id
+    assert (resumed.step_offset, resumed.max_tokens, resumed.first_token) == (1, 3, -1)
+    meta = reply["prfaas"]
+    assert (meta["route"], meta["resumed_on"], meta["retries"]) == ("remote", "d1", 1)
+    assert reply["usage"]["completion_tokens"] == 4 and fake.blobs == {}
+
+
+def test_a_decode_error_before_any_token_still_falls_back_on_that_instance() -> None:
+    r, fake = router(decodes=2)
+    fake.decodes["d0"] = DecodeScript(fail=KVUnavailable("the pull failed"))
+    with pytest.raises(KVUnavailable, match="the pull failed"):
+        complete(r, SHORT)  # local: nothing streamed, so nothing to resume; the error is the instance's own
+    assert not fake.calls_to("generate", "d1")
 
 
 def test_decode_deaths_open_its_breaker() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -88,3 +89,28 @@ def test_unexpected_errors_are_openai_500s_logged_once(caplog: pytest.LogCapture
     assert sorted(str(r.exc_info[1]) for r in logged if r.exc_info) == ["'a route bug'", "a middleware bug",
                                                                         "a stream bug"]
     assert not any("Exception in ASGI application" in r.getMessage() for r in caplog.records)
+
+
+def test_served_connections_send_without_waiting_for_the_peers_ack() -> None:
+    """Every prfaas server listens on ``http.bind``'s socket; asyncio sets ``TCP_NODELAY`` on a connection it
+    accepts only where that socket's protocol says TCP. Without it a response written in two pieces (headers, then
+    the body or a stream's first event) waited for the peer's delayed ACK: about 40 ms per keep-alive request."""
+
+    async def scenario() -> int:
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future[int] = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: asyncio.BaseTransport) -> None:
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await loop.create_server(Probe, sock=http.bind("127.0.0.1", 0))  # as uvicorn serves it
+        async with server:
+            _, writer = await asyncio.open_connection(*server.sockets[0].getsockname())
+            try:
+                return await asyncio.wait_for(accepted, 5)
+            finally:
+                writer.close()
+
+    assert asyncio.run(scenario()) != 0

@@ -74,21 +74,21 @@ def _blob(state: KVState, version: int = 0) -> bytes:
 
 
 def test_mixed_format_versions_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A version-2 deployment (simulated) reads versions 1 and 2 and writes 1 while a version-1 reader is left;
-    a version-1 reader refuses a version-2 blob with KV_BAD_FORMAT."""
+    """A version-3 deployment (simulated) reads versions 2 and 3 and writes 2 while a version-2 reader is left;
+    a version-2 reader refuses a version-3 blob with KV_BAD_FORMAT."""
     state = make_state()
     old_blob = _blob(state)
     for module in (fp_module, format_module):
-        monkeypatch.setattr(module, "FORMAT_VERSION", 2)
-        monkeypatch.setattr(module, "SUPPORTED_VERSIONS", frozenset({1, 2}))
-    assert fp_module.negotiate_version([1, 2]) == 1 and fp_module.negotiate_version([2]) == 2
+        monkeypatch.setattr(module, "FORMAT_VERSION", 3)
+        monkeypatch.setattr(module, "SUPPORTED_VERSIONS", frozenset({2, 3}))
+    assert fp_module.negotiate_version([2, 3]) == 2 and fp_module.negotiate_version([3]) == 3
     assert decode_state(old_blob).seq_len == state.seq_len  # a new reader reads the previous format
     new_blob = _blob(state)
     assert new_blob[4:6] != old_blob[4:6]  # the version field of the header differs
     assert decode_state(new_blob).seq_len == state.seq_len
-    assert _blob(state, 1)[:6] == old_blob[:6]  # negotiated down: written as version 1
+    assert _blob(state, 2)[:6] == old_blob[:6]  # negotiated down: written as version 2
     with pytest.raises(KVIncompatible):
-        fp_module.negotiate_version([4])  # a reader two versions ahead
-    monkeypatch.setattr(format_module, "SUPPORTED_VERSIONS", frozenset({1}))  # an old reader
-    with pytest.raises(KVBadFormat, match="unknown KV format version 2"):
+        fp_module.negotiate_version([5])  # a reader two versions ahead
+    monkeypatch.setattr(format_module, "SUPPORTED_VERSIONS", frozenset({2}))  # an old reader
+    with pytest.raises(KVBadFormat, match="unknown KV format version 3"):
         decode_state(new_blob)

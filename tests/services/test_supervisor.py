@@ -18,20 +18,12 @@ import pytest
 
 from prfaas.errors import InvalidRequest
 from prfaas.services.supervisor import RestartPolicy, Role, Supervisor, failed
+from tests.clock import Clock
 from tests.services.deploy import alive, deployment, descendants
 from tests.services.test_faults import MODEL, complete, pid_of
 
 BACK_WITHIN_S = 30.0
 
-
-class Clock:
-    """A clock the test moves, so back-off and the stable period are checked without waiting them out."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def python(code: str) -> Callable[[], subprocess.Popen[bytes]]:

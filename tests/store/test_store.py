@@ -21,18 +21,12 @@ from prfaas.errors import (
 )
 from prfaas.kv import BlobReader
 from prfaas.store import BlobStore, DeletionRecord
+from tests.clock import Clock
 from tests.store.conftest import StoreFactory
 from tests.transfer.helpers import assert_clean, assert_same, blob_frames, fill, make_state, run
 
 MiB = 1 << 20
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def read_all(store: BlobStore, kv_id: str, from_chunk: int = 0, timeout_s: float = 2.0) -> list[bytes]:
@@ -104,7 +98,7 @@ def test_bad_writes_are_refused(make_store: StoreFactory) -> None:
 
 
 def test_ttl_expiry_with_an_injected_clock(make_store: StoreFactory) -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     store = make_store(64 * MiB, 120, clock=clock)
     kv_a, frames_a = blob_frames(make_state())
     kv_b, frames_b = blob_frames(make_state(seed=1))
@@ -246,7 +240,7 @@ def test_stalled_writer_times_out_and_abort_truncates(make_store: StoreFactory) 
 
 
 def test_every_blob_ends_in_exactly_one_record(make_store: StoreFactory) -> None:
-    clock, seen = Clock(), []
+    clock, seen = Clock(1000.0), []
     blobs = [blob_frames(make_state(layers=1, tokens=64, seed=i)) for i in range(6)]
     size = sum(map(len, blobs[0][1]))
     store = make_store(3 * size, 120, on_delete=seen.append, clock=clock)

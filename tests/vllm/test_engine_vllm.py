@@ -6,7 +6,8 @@ One deployment per mode (relay, direct), every prompt over the offload threshold
   blob's ``kv_bytes > 0``, and the decode vLLM's metrics count the prompts as ``external_kv_transfer`` (every
   token of each), not recomputed: the first token is prefill's, streamed by the decode instance before its vLLM
   runs (``stages.decode_ms == 0``), and decode's vLLM computes one token (that one) before the second; a
-  one-token answer never reaches decode's vLLM, and its blob is released;
+  one-token answer never reaches decode's vLLM, and its blob is released; the connectors' ``TCP_INFO`` per peer
+  reaches the router in the instances' heartbeats (``tcp_peers``) and the ``dc-a:dc-b`` link's RTT;
 - then the prefill instance is drained through the router (``POST /admin/drain/prefill-0``): it exits with its
   vLLM server (no process of it left), and the same four requests take the local route (decode's vLLM prefills
   them itself) and give the same text, token for token;
@@ -32,7 +33,7 @@ import pytest
 
 from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying
-from tests.vllm.servers import INSTALLED
+from tests.vllm.servers import NEEDS_VLLM
 
 REQUEST_S = 120.0
 DRAIN_S = 90.0
@@ -41,8 +42,7 @@ MESSAGES = [{"role": "user", "content": "Count from 1 to 40, one number per line
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not INSTALLED,
-                       reason="vLLM's CPU build is not installed here: run `make vllm` (scripts/install-vllm.sh)"),
+    NEEDS_VLLM,
 ]
 
 
@@ -151,6 +151,7 @@ def test_remote_route_equals_local_route(up: tuple[str, Any]) -> None:
     assert extension["route"] == "remote" and remote[(False, False)].startswith(one) and one, (one, extension)
     assert _prompt_sources(decode_port) == after  # answered without decode's vLLM
     _assert_no_blob_left(url, proc)
+    _assert_tcp_figures(url)
 
     _drain_prefill(url, proc)
     for chat, stream in KINDS:
@@ -159,6 +160,26 @@ def test_remote_route_equals_local_route(up: tuple[str, Any]) -> None:
         assert extension["stages"]["decode_ms"] > 0.0, extension
         assert text == remote[(chat, stream)], (chat, stream)
     assert _prompt_sources(decode_port)["external_kv_transfer"] == after["external_kv_transfer"]
+
+
+def _assert_tcp_figures(url: str) -> None:
+    """The connectors' ``TCP_INFO`` (in the vLLM processes) reach the router through the instances' heartbeats:
+    decode's pulls per store (prefill's in direct mode, the relay's in relay mode), prefill's pushes to the relay,
+    and the WAN hop's RTT on ``dc-a:dc-b`` (decode's pull from prefill, or prefill's push to the relay)."""
+    deadline, instances, link = time.monotonic() + 30, [], {}
+    while time.monotonic() < deadline:
+        instances = httpx.get(f"{url}/admin/instances", timeout=30).json()
+        links = httpx.get(f"{url}/admin/links", timeout=30).json()["links"]
+        link = next((x for x in links if x["link"] == "dc-a:dc-b"), {})
+        if link.get("rtt_ms", 0) > 0 and all(i["tcp_peers"] for i in instances if i["role"] == "decode"):
+            break
+        time.sleep(0.5)
+    assert link.get("rtt_ms", 0) > 0, link
+    address = {i["role"]: i["kv_address"] for i in instances}
+    store = address.get("relay") or address["prefill"]
+    for info in instances:
+        if info["role"] == "decode" or (info["role"] == "prefill" and "relay" in address):
+            assert store in {peer["peer"] for peer in info["tcp_peers"]}, info
 
 
 def _assert_no_blob_left(url: str, proc: Any) -> None:

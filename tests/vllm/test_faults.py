@@ -48,7 +48,7 @@ from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying, tls_dir
 from tests.transfer.helpers import fill
-from tests.vllm.servers import INSTALLED, StoreThread
+from tests.vllm.servers import NEEDS_VLLM, StoreThread
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 20
@@ -61,8 +61,7 @@ ERROR_CODES = {"KV_UNAVAILABLE", "KV_TIMEOUT", "KV_TRUNCATED", "KV_NOT_FOUND"}
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not INSTALLED,
-                       reason="vLLM's CPU build is not installed here: run `make vllm` (scripts/install-vllm.sh)"),
+    NEEDS_VLLM,
 ]
 
 

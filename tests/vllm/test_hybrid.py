@@ -32,7 +32,16 @@ import pytest
 
 from tests.services.deploy import free_port
 from tests.vllm import hybrid_models
-from tests.vllm.servers import INSTALLED, Server, complete, prompt_sources, start, stop, wait_healthy, wait_no_blobs
+from tests.vllm.servers import (
+    NEEDS_VLLM,
+    Server,
+    complete,
+    prompt_sources,
+    start,
+    stop,
+    wait_healthy,
+    wait_no_blobs,
+)
 
 BLOCK = 32
 ARGS = ("--block-size", str(BLOCK))
@@ -46,8 +55,7 @@ PROMPTS = {
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not INSTALLED,
-                       reason="vLLM's CPU build is not installed here: run `make vllm` (scripts/install-vllm.sh)"),
+    NEEDS_VLLM,
 ]
 
 

@@ -4,15 +4,17 @@ needed (``test_engine_vllm.py`` runs the real thing)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from prfaas.events import Done, Stages, Token, generate_event
-from prfaas.messages import GenerateRequest, SamplingParams
-from prfaas.vllm.server import parse_load
+from prfaas.messages import MAX_TCP_PEERS, GenerateRequest, SamplingParams, TcpPeer
+from prfaas.vllm.server import parse_load, read_tcp_peers
 from prfaas.vllm.serving import known_first, recomputed_tokens
 
 SERVE_S = 60.0
@@ -48,6 +50,19 @@ def test_load_is_read_from_vllms_metrics() -> None:
             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
     load = parse_load(text)
     assert (load.waiting, load.running, load.kv_usage) == (3, 2, 0.25)
+
+
+def test_the_connectors_tcp_figures_are_read_strictly_and_kept_when_unreadable(tmp_path: Path) -> None:
+    path, last = tmp_path / "tcp_peers.json", [TcpPeer("10.0.0.1:9000", 1.0, 0)]
+    assert read_tcp_peers(str(path), last) == last  # none written yet
+    path.write_text(json.dumps([{"peer": "10.0.0.2:9000", "rtt_ms": 25.5, "retransmits": 3}]))
+    assert read_tcp_peers(str(path), last) == [TcpPeer("10.0.0.2:9000", 25.5, 3)]
+    for bad in ("{", json.dumps({"peer": "x"}), json.dumps([{"peer": "x", "rtt_ms": -1}])):
+        path.write_text(bad)
+        assert read_tcp_peers(str(path), last) == last
+    path.write_text(json.dumps([{"peer": f"10.0.0.{i}:9000"} for i in range(MAX_TCP_PEERS + 4)]))
+    kept = read_tcp_peers(str(path), [])
+    assert len(kept) == MAX_TCP_PEERS and kept[0].peer == "10.0.0.4:9000"  # the ones used last
 
 
 def test_a_recomputed_prompt_is_counted_from_vllms_usage() -> None:

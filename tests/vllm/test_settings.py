@@ -23,6 +23,7 @@ def test_defaults_and_tls() -> None:
     {"kv_deadline_s": 0},
     {"retries": -1},
     {"tls": "on"},
+    {"overlap": "sometimes"},
 ])
 def test_bad_extra_config_is_refused(extra: dict[str, object]) -> None:
     with pytest.raises(InvalidRequest):
@@ -48,3 +49,13 @@ def test_relay_from_request_takes_the_relay_the_router_names() -> None:
         settings.destination("nowhere")
     with pytest.raises(InvalidRequest):
         ConnectorSettings.from_extra({"relay_from_request": "yes"})
+
+
+@pytest.mark.parametrize(("overlap", "device", "holds"), [
+    ("auto", "cpu", True),  # the encoder would compete with vLLM's OpenMP threads for the cores
+    ("auto", "cuda", False),  # the forward pass is on the GPU: each layer leaves while later ones compute
+    ("layers", "cpu", False),
+    ("step", "cuda", True),
+])
+def test_overlap_decides_whether_saved_layers_wait_for_the_steps_end(overlap: str, device: str, holds: bool) -> None:
+    assert ConnectorSettings.from_extra({"overlap": overlap}).holds_layers(device) is holds
