@@ -7,9 +7,10 @@ Stages, one after the other (a vLLM server here takes about 4 GB):
    Each sample is two requests, alternating: as a client sends it (the decode instance streams prefill's first
    token at once: ``remote``), and the same with a stop string that never occurs, which keeps decode's vLLM
    computing the first token again after the pull, as before prfaas passed it on (``remote_recompute_first``;
-   the same text). After each sample the same prompt goes straight to the decode instance's own vLLM server
-   (``beside_remote``): vLLM without prfaas's path, with the same neighbours at the same moment, so that the
-   machine's drift between stages does not enter the comparison.
+   the same text). After each sample the same prompt goes straight to the prefill instance's own vLLM server,
+   which computed the remote prompt (``beside_prefill``), then to the decode instance's (``beside_remote``):
+   vLLM without prfaas's path, with the same neighbours at the same moment, so that the machine's drift between
+   stages does not enter the comparison.
 2. The same deployment with its prefill instance drained (``/admin/drain/prefill-0``): every prompt local, the
    decode's vLLM prefilling it (``local``), each sample followed by the same prompt straight to that vLLM
    (``beside_local``).
@@ -31,7 +32,8 @@ text. Reports median, min–max and quartiles per stage; per request of the depl
 engine's prefill (``outside_ms``: TTFT − the router's ``stages.prefill_ms`` on the remote routes, the time P's
 instance waited for its vLLM; TTFT − ``stages.decode_ms`` on the local one, decode's wait for its vLLM's first
 token); and the goal (TTFT overhead over vLLM alone within max(5 %, 1 RTT + 10 ms); RTT here is loopback, taken
-as 0), against vLLM alone and, paired sample by sample, against the vLLM beside (``over_beside_ms``). Writes
+as 0), against vLLM alone and, paired sample by sample, against the vLLM beside that computed the prompt
+(``over_beside_ms``; on the remote routes also against D's, ``over_decode_vllm_ms``). Writes
 JSON with the machine's provenance (CPU model, ISA flags, load average) and the load average before
 each stage.
 """
@@ -66,6 +68,7 @@ PAUSE_S = 1.0
 NEVER = "\u2603never\u2603"  # a stop string no answer here contains
 DRAIN_S = 120.0
 DEPLOYED = ("remote", "remote_recompute_first", "local")
+BESIDE = ("beside_prefill", "beside_remote", "beside_local")  # the same prompt straight to P's or D's own vLLM
 OVERLAPS = ("layers", "step")  # the connector's overlap: each layer sent while later ones compute, or after the step
 
 
@@ -162,16 +165,18 @@ def deployed(mode: str, samples: int, loads: dict[str, list[float]],
     """The remote and local stages of one deployment, each sample followed by the same prompt sent straight to the
     decode instance's own vLLM server (``beside_remote``, ``beside_local``: vLLM without prfaas's path, with the
     same neighbours at the same moment); ``loads`` gets the load average before each, ``hop_rows`` the hops."""
-    out: dict[str, list[dict[str, Any]]] = {name: [] for name in (*DEPLOYED, "beside_remote", "beside_local")}
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in (*DEPLOYED, *BESIDE)}
     with deployment(MODEL, mode, threshold=0, extra=("--engine", "vllm", "--dtype", "float32")) as (url, proc):
         (port,) = deployed_servers(proc.pid, "kv_consumer").values()
-        beside = f"http://127.0.0.1:{port}"
-        ttft(url, 999)  # warm-up: the first request of a vLLM server pays one-off costs
-        ttft(beside, 999)
+        (prefill_port,) = deployed_servers(proc.pid, "kv_producer").values()
+        beside, beside_prefill = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prefill_port}"
+        for server in (url, beside, beside_prefill):  # warm-up: a vLLM server's first request pays one-off costs
+            ttft(server, 999)
         loads["remote"] = list(os.getloadavg())
         for i in range(samples):
             out["remote"].append(ttft(url, i))
             out["remote_recompute_first"].append(ttft(url, i, stop=[NEVER]))
+            out["beside_prefill"].append(ttft(beside_prefill, i))
             out["beside_remote"].append(ttft(beside, i))
         hop_rows.update(hops(url, samples))
         drain_prefill(url)
@@ -227,11 +232,19 @@ def producer(samples: int, overlap: str) -> dict[str, list[dict[str, Any]]]:
 
 
 def beside_goal(stages: dict[str, list[dict[str, Any]]], name: str, allowance: float) -> dict[str, Any]:
-    """Stage ``name`` against the decode's own vLLM server asked the same prompt right after each sample: the
-    median of the paired differences, and whether it is within ``allowance``."""
-    base = stages["beside_local" if name == "local" else "beside_remote"]
-    paired = statistics.median(s["ttft_ms"] - b["ttft_ms"] for s, b in zip(stages[name], base, strict=True))
-    return {"over_beside_ms": round(paired, 1), "met_beside": paired <= allowance}
+    """Stage ``name`` against the vLLM server that computed its prompt, asked the same prompt right after each
+    sample (P's on the remote routes, D's on the local one): the median of the paired differences, and whether it
+    is within ``allowance``; on the remote routes also against D's vLLM (``over_decode_vllm_ms``: two servers of
+    the same flags differ here by tens of milliseconds from one deployment to the next, either way)."""
+    def paired(base: str) -> float:
+        return statistics.median(s["ttft_ms"] - b["ttft_ms"] for s, b in zip(stages[name], stages[base], strict=True))
+
+    if name == "local":
+        over = paired("beside_local")
+        return {"over_beside_ms": round(over, 1), "met_beside": over <= allowance}
+    over = paired("beside_prefill")
+    return {"over_beside_ms": round(over, 1), "met_beside": over <= allowance,
+            "over_decode_vllm_ms": round(paired("beside_remote"), 1)}
 
 
 def saving_cost(stages: dict[str, list[dict[str, Any]]], overlap: str) -> dict[str, Any]:

@@ -105,6 +105,7 @@ class RouterConfig:
     success_rate_threshold: float = 0.999
     offload_threshold_tokens: int = 256
     fallback_local_prefill: bool = True
+    local_tokenizer: bool = True  # tokenise here where the decode instances' tokenizer files are readable
     decode_queue_limit: int = 16
     decode_queue_timeout_ms: int = 10000
     pools: dict[str, float] = field(default_factory=dict)  # model name or pool key → traffic weight (canary)
@@ -252,6 +253,7 @@ class Config:
     success_rate_threshold = _Flat[float]("router")
     offload_threshold_tokens = _Flat[int]("router")
     fallback_local_prefill = _Flat[bool]("router")
+    local_tokenizer = _Flat[bool]("router")
     decode_queue_limit = _Flat[int]("router")
     decode_queue_timeout_ms = _Flat[int]("router")
     pools = _Flat[dict[str, float]]("router")

@@ -16,6 +16,7 @@ from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import TransformersEngine
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint
+from prfaas.kv.fingerprint import tokenizer_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -102,9 +103,3 @@ def weights_hash(model: Any) -> str:
         digest.update(key.encode())
         digest.update(to_numpy(tensor).view(np.uint8).reshape(-1).data)
     return digest.hexdigest()
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
-    return xxhash.xxh64_hexdigest((text + "|" + str(getattr(tokenizer, "chat_template", ""))).encode())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import xxhash
@@ -14,6 +15,10 @@ FORMAT_VERSION = 2  # 2: a suffix-only blob's header names the cached prefix it 
 # Readers accept these blob format versions (current and previous, for rolling upgrades).
 SUPPORTED_VERSIONS = frozenset({1, 2})
 
+# the files a vLLM instance's weights and tokenizer digests are taken over (files_digest)
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "chat_template.jinja")
 
 _LENIENT = frozenset({"model", "format_version"})
 
@@ -89,3 +94,29 @@ class Fingerprint:
         if bad:
             detail = "; ".join(f"{n}: {getattr(self, n)!r} here, {getattr(other, n)!r} in the KV" for n in bad)
             raise KVIncompatible(f"KV state does not match this engine ({detail})")
+
+
+def files_digest(path: Path, patterns: tuple[str, ...]) -> str:
+    """xxHash64 over the names and bytes of ``path``'s files matching ``patterns`` (a model not on disk: its name)."""
+    digest = xxhash.xxh64()
+    files = sorted({f for p in patterns for f in path.glob(p) if f.is_file()}) if path.is_dir() else []
+    if not files:
+        digest.update(str(path).encode())
+    for file in files:
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def tokenizer_files_digest(path: Path) -> str:
+    """A vLLM instance's ``tokenizer`` digest: its tokenizer directory's files (``TOKENIZER_FILES``)."""
+    return files_digest(path, TOKENIZER_FILES)
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A prfaas engine's ``tokenizer`` digest: the loaded tokenizer's vocabulary and merges, and its chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return xxhash.xxh64_hexdigest((text + "|" + str(getattr(tokenizer, "chat_template", ""))).encode())

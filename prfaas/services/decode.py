@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from prfaas.config import Config
-from prfaas.errors import ContextLengthExceeded, InvalidRequest, KVNotFound, KVPrefixMissing, PrfaasError
+from prfaas.errors import InvalidRequest, KVNotFound, KVPrefixMissing, PrfaasError
 from prfaas.events import Done, Failed, GenerateEvent, Stages, Token
 from prfaas.kv import BlobReader, KVState
 from prfaas.messages import GenerateRequest, SamplingParams, TcpPeer
@@ -23,6 +22,7 @@ from prfaas.obs import metrics
 from prfaas.security.runtime import PLAINTEXT, Security
 from prfaas.services.decode_scheduler import DecodeScheduler, Prepared, Sequence
 from prfaas.services.textstream import TextStream
+from prfaas.services.tokenizing import Tokenizing
 from prfaas.transfer import TransferContext, pull, release
 
 if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run ti
 from prfaas.transfer.abandon import release_abandoned
 
 CREATION_GRACE_S = 2.0  # relay mode: the header may still be on its way to the relay
-TOKEN_CHARS_UNKNOWN = 64  # characters a token may stand for, when the tokenizer has no vocabulary to measure
 
 
 class DecodeService:
@@ -46,43 +45,15 @@ class DecodeService:
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
         self.keeps_kv = engine.keeps_kv  # False: pulled KV is verified, then dropped
-        self.max_prompt_chars = engine.max_seq_len * longest_token_chars(engine.tokenizer)
-        # one thread: tokenising never blocks the event loop (the tokenizer releases the GIL), and calls into the
-        # tokenizer never overlap each other
-        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.tokenizing = Tokenizing(engine.tokenizer, engine.max_seq_len)
         # what every pull of this role shares: limits, client TLS, max_inflight_kv, arenas, verify threads, stats
         self.transfer = TransferContext.for_role(config.limits, security.client_ssl(),
                                                 config.transfer.max_inflight_kv)
 
     async def tokenize(self, body: dict[str, Any]) -> list[int]:
-        """The prompt's token ids. ``InvalidRequest`` at once, without tokenising, for text longer than the model's
-        context could hold (``max_prompt_chars``); otherwise tokenised off the event loop, so a long prompt never
-        stalls ``/health`` or other requests."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, self._tokenize, body)
-
-    def _tokenize(self, body: dict[str, Any]) -> list[int]:
-        self._bound(body)
-        tokenizer = self.engine.tokenizer
-        if "messages" in body:
-            try:
-                encoded = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-            except Exception as exc:
-                raise InvalidRequest(f"cannot apply the chat template: {exc}") from exc
-            ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-        elif isinstance(body.get("prompt"), str):
-            ids = tokenizer.encode(body["prompt"], add_special_tokens=False)
-        elif isinstance(body.get("prompt"), list) and all(isinstance(t, int) for t in body["prompt"]):
-            ids = body["prompt"]
-        else:
-            raise InvalidRequest("prompt must be a string or a list of token ids")
-        return [int(t) for t in ids]
-
-    def _bound(self, body: dict[str, Any]) -> None:
-        field = "messages" if "messages" in body else "prompt"
-        chars = text_length(body.get(field))
-        if chars > self.max_prompt_chars:
-            raise ContextLengthExceeded(f"the {field} has {chars} characters of text, more than this model's "
-                                        f"context of {self.engine.max_seq_len} tokens can hold", field)
+        """The prompt's token ids, tokenised off the event loop, so a long prompt never stalls ``/health`` or other
+        requests (``prfaas.services.tokenizing``)."""
+        return await self.tokenizing.tokenize(body)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Holds a reservation of the sequence's KV bytes (prompt + max_tokens) while it runs, so the free KV
@@ -219,23 +190,5 @@ class DecodeService:
 
     def close(self) -> None:
         self.scheduler.close()
-        self._tokenizing.shutdown(wait=False, cancel_futures=True)
+        self.tokenizing.close()
         self.transfer.close()
-
-
-def longest_token_chars(tokenizer: Any) -> int:
-    """An upper bound of the characters of text one token stands for: the longest vocabulary entry (a byte-level
-    entry spells each byte as one character, and a character is at least one byte)."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return max(map(len, vocab), default=TOKEN_CHARS_UNKNOWN) or TOKEN_CHARS_UNKNOWN
-
-
-def text_length(value: Any) -> int:
-    """Characters in every string of ``value`` (a prompt, or chat messages; ``jsonbody`` bounds their depth)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(text_length(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(text_length(v) for v in value if isinstance(v, str | dict | list))
-    return 0

@@ -46,6 +46,7 @@ from prfaas.kv.state import PrefixRef
 from prfaas.messages import GenerateRequest, InstanceInfo, PrefillRequest, ResponseMeta, SamplingParams
 from prfaas.obs import metrics
 from prfaas.scheduler import Decision, Scheduler
+from prfaas.scheduler.breaker import OPEN
 from prfaas.scheduler.offload import Ticket
 from prfaas.scheduler.placement import PromptPrefix
 from prfaas.services.instance_client import InstanceClient
@@ -131,7 +132,12 @@ class Dispatcher:
                                              prompt)
             if best is not None:
                 return best
-            if instances and all(i.kv_bytes(tokens) > i.kv_budget_bytes for i in instances):
+            if not instances:  # nobody to wait for room on (the pool's one decode instance died mid-request)
+                besides = f" besides {', '.join(sorted(exclude))}" if exclude else ""
+                raise KVUnavailable(f"no healthy decode instance{besides} in this request's pool")
+            if all(self.scheduler.breakers.state(i.instance_id) == OPEN for i in instances):  # failing, not full
+                raise KVUnavailable("every decode instance of this request's pool is failing (circuit open)")
+            if all(i.kv_bytes(tokens) > i.kv_budget_bytes for i in instances):
                 raise KVUnavailable(f"the request needs {instances[0].kv_bytes(tokens)} KV bytes, more than any "
                                     f"decode instance holds ({max(i.kv_budget_bytes for i in instances)})")
             if time.monotonic() >= deadline:

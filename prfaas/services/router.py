@@ -48,6 +48,7 @@ from prfaas.services.dispatch import Dispatcher, Job, Streamed
 from prfaas.services.instance_client import HttpInstanceClient, InstanceClient
 from prfaas.services.registry import Registry
 from prfaas.services.signals import Signals
+from prfaas.services.tokenizing import LocalTokenizers
 from prfaas.tenancy import DEFAULT_TENANT, TenantPolicy, Tenants, clusters, metering, redact
 from prfaas.transfer.abandon import Releaser
 
@@ -72,6 +73,7 @@ class Router:
         self.releaser = Releaser(security.client_ssl())  # abandoned blobs' releases, retried while unreachable
         self.instances = instances or HttpInstanceClient(self.client, self.releaser, cluster)
         self.dispatcher = Dispatcher(self.registry, self.scheduler, config, self.instances)
+        self.tokenizers = LocalTokenizers(config.router.local_tokenizer)  # else through a decode instance
         self.signals = Signals()  # what an autoscaler reads (/admin/signals, prfaas admin recommend)
         self.tenants = Tenants.from_config(config.tenants,
                                            [k.tenant for k in apikeys.parse_keys(config.common.api_keys)])
@@ -152,7 +154,9 @@ class Router:
             raise
 
     async def _job(self, req: openai_api.CompletionRequest, decode: InstanceInfo) -> Job:
-        ids = await self.instances.tokenize(decode, req.tokenize_request())
+        local = self.tokenizers.get(decode)
+        ids = await (local.tokenize(req.tokenize_request().to_json()) if local is not None
+                     else self.instances.tokenize(decode, req.tokenize_request()))
         room = decode.max_seq_len - len(ids)
         if room < 1 or (req.max_tokens is not None and req.max_tokens > room):
             raise ContextLengthExceeded(
@@ -259,6 +263,7 @@ def create_app(router: Router) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await router.releaser.close()
+        router.tokenizers.close()
         await router.client.aclose()
         router.meter.close()
 
@@ -304,6 +309,8 @@ def create_app(router: Router) -> FastAPI:
         try:  # the claimed role and id must be the registrant's (prfaas.security.registration)
             owner = registrar.claim(peer, request.headers.get("authorization", ""), info.role, info.instance_id)
             router.registry.upsert(info, owner)
+            if info.role == "decode":
+                router.tokenizers.get(info)  # loads the router's own tokenizer for it, once (tokenizing.py)
             feed_tcp(router.scheduler.links, info, (known for known, _ in router.registry.all()))
         except KVUnauthorized as exc:
             return _refused(request, peer, exc)

@@ -29,17 +29,13 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
-import xxhash
 
 from prfaas.errors import InvalidRequest, KVIncompatible
-from prfaas.kv.fingerprint import Fingerprint
+from prfaas.kv.fingerprint import WEIGHT_FILES, Fingerprint, files_digest, tokenizer_files_digest
 from prfaas.kv.state import FULL_ATTENTION, MAMBA, SLIDING_ATTENTION
 
 CACHE = "vllm-paged-blocks"  # the blob header's ``cache``: whole paged blocks, one tensor per layer
 TENSOR = "blocks"
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "chat_template.jinja")
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
     torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
     torch.bfloat16: np.dtype(ml_dtypes.bfloat16), torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
@@ -123,7 +119,7 @@ def fingerprint(vllm_config: Any, kv_cache_config: Any) -> Fingerprint:
     arch = ",".join(getattr(model.hf_config, "architectures", None) or [str(model.hf_config.model_type)])
     specs = groups(kv_cache_config)
     return Fingerprint(model=str(model.served_model_name or model.model), arch=f"{arch}|{layout(specs)}",
-                       weights=files_digest(path, WEIGHT_FILES), tokenizer=files_digest(tokenizer, TOKENIZER_FILES),
+                       weights=files_digest(path, WEIGHT_FILES), tokenizer=tokenizer_files_digest(tokenizer),
                        dtype=next((g.dtype for g in specs if not g.is_state), specs[0].dtype),
                        max_seq_len=int(model.max_model_len))
 
@@ -165,20 +161,6 @@ def _cpu_isa(group: Group) -> str:
         return str(_get_attn_isa(getattr(torch, group.dtype), group.block_size, group.head_size))
     except Exception as exc:  # a vLLM without that helper: refuse to pair with anything but the same answer
         return f"unknown-{type(exc).__name__}"
-
-
-def files_digest(path: Path, patterns: tuple[str, ...]) -> str:
-    """xxHash64 over the names and bytes of ``path``'s files matching ``patterns`` (a model not on disk: its name)."""
-    digest = xxhash.xxh64()
-    files = sorted({f for p in patterns for f in path.glob(p) if f.is_file()}) if path.is_dir() else []
-    if not files:
-        digest.update(str(path).encode())
-    for file in files:
-        digest.update(file.name.encode())
-        with open(file, "rb") as f:
-            while block := f.read(1 << 24):
-                digest.update(block)
-    return digest.hexdigest()
 
 
 def _dtype_name(dtype: Any) -> str:

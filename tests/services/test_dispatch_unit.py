@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -276,6 +277,17 @@ def test_requests_queue_for_room_and_are_refused_at_the_deadline() -> None:
     first, second = run(two())
     assert isinstance(first, dict)
     assert isinstance(second, KVUnavailable) and "queue deadline" in second.message
+
+
+def test_a_pool_whose_one_decode_instance_keeps_dying_is_refused_at_once_not_at_the_queue_deadline() -> None:
+    r, fake = router(decode_queue_timeout_ms=5000)
+    fake.decodes["d0"] = DecodeScript(die_after=0)
+    for expected in ("besides d0", "besides d0", "besides d0", "circuit open"):  # 3 failures open its breaker
+        started = time.monotonic()
+        with pytest.raises(KVUnavailable, match=expected):
+            complete(r, SHORT)
+        assert time.monotonic() - started < 1.0  # nothing to wait for room on
+    assert r.scheduler.breakers.state("d0") == "open" and len(fake.calls_to("generate")) == 3
 
 
 def test_a_request_no_decode_instance_can_hold_is_refused_at_once() -> None:
