@@ -7,13 +7,14 @@ Stages, one after the other (a vLLM server here takes about 4 GB):
    Each sample is two requests, alternating: as a client sends it (the decode instance streams prefill's first
    token at once: ``remote``), and the same with a stop string that never occurs, which keeps decode's vLLM
    computing the first token again after the pull, as before prfaas passed it on (``remote_recompute_first``;
-   the same text). After each sample the same prompt goes straight to the prefill instance's own vLLM server,
+   the same text). Beside each sample the same prompt goes straight to the prefill instance's own vLLM server,
    which computed the remote prompt (``beside_prefill``), then to the decode instance's (``beside_remote``):
    vLLM without prfaas's path, with the same neighbours at the same moment, so that the machine's drift between
-   stages does not enter the comparison.
+   stages does not enter the comparison; those go after the sample's deployment requests on even samples and
+   before them on odd ones (whichever goes first after the pause was slower here).
 2. The same deployment with its prefill instance drained (``/admin/drain/prefill-0``): every prompt local, the
-   decode's vLLM prefilling it (``local``), each sample followed by the same prompt straight to that vLLM
-   (``beside_local``).
+   decode's vLLM prefilling it (``local``), each sample paired with the same prompt straight to that vLLM
+   (``beside_local``), in turn after and before it.
    Between the two, the hops on their own (``hops``), on one keep-alive connection each as the router holds
    them: the decode instance's ``/tokenize`` of a prompt (through its vLLM's), its ``/generate`` of a one-token
    answer whose token prefill already sampled (streamed at once; the blob it names does not exist, so it only
@@ -26,16 +27,18 @@ Stages, one after the other (a vLLM server here takes about 4 GB):
 4. P's cost of saving: one vLLM server with ``PrfaasConnector`` as a producer keeping blobs in its own store, each
    prompt sent plain, then as the router's prefill requests are (saved); once with the connector's ``overlap``
    ``layers`` (each layer encoded while later ones compute) and once ``step`` (after the step: the CPU default).
-Every request: a prompt of about 460 tokens, distinct per sample (prefix caching is off everywhere), greedy, streaming,
-``max_tokens`` 4, one at a time with a pause between; TTFT is the client's, from sending to the first chunk with
-text. Reports median, min–max and quartiles per stage; per request of the deployment, the time outside its
-engine's prefill (``outside_ms``: TTFT − the router's ``stages.prefill_ms`` on the remote routes, the time P's
-instance waited for its vLLM; TTFT − ``stages.decode_ms`` on the local one, decode's wait for its vLLM's first
-token); and the goal (TTFT overhead over vLLM alone within max(5 %, 1 RTT + 10 ms); RTT here is loopback, taken
-as 0), against vLLM alone and, paired sample by sample, against the vLLM beside that computed the prompt
-(``over_beside_ms``; on the remote routes also against D's, ``over_decode_vllm_ms``). Writes
-JSON with the machine's provenance (CPU model, ISA flags, load average) and the load average before
-each stage.
+Every request: a prompt of about 460 tokens, distinct per sample (prefix caching is off everywhere), greedy,
+streaming, ``max_tokens`` 4, one at a time with a pause between, on one kept-alive connection per server (as a
+serving client holds it; a new ``httpx`` client per request costs about 20 ms of TLS set-up on the client's side
+alone); TTFT is the client's, from sending to the first chunk with text. Reports median, min–max and quartiles per
+stage; per request of the deployment, the time outside its engine's prefill (``outside_ms``: TTFT − the router's
+``stages.prefill_ms`` on the remote routes, the time P's instance waited for its vLLM; TTFT − ``stages.decode_ms``
+on the local one, decode's wait for its vLLM's first token); and the goal (TTFT overhead over vLLM alone within
+max(5 %, 1 RTT + 10 ms); RTT here is loopback, taken as 0), against vLLM alone and, paired sample by sample, against
+the vLLM beside that computed the prompt (``over_beside_ms``, the median of the paired differences, with their
+quartiles: two prefills of one prompt differ by up to ±100 ms on 2 shared cores; on the remote routes also against
+D's, ``over_decode_vllm_ms``). Writes JSON with the machine's provenance (CPU model, ISA flags, load average) and
+the load average before each stage.
 """
 
 from __future__ import annotations
@@ -72,19 +75,23 @@ BESIDE = ("beside_prefill", "beside_remote", "beside_local")  # the same prompt 
 OVERLAPS = ("layers", "step")  # the connector's overlap: each layer sent while later ones compute, or after the step
 
 
+Request = tuple[str, str, dict[str, Any]]  # stage, server, extra fields of the body
+
+
 def prompt(seed: int) -> str:
     base = 100 + (37 * seed) % 800
     return " ".join(f"The number {i} is followed by {i + 1}." for i in range(base, base + SENTENCES))
 
 
-def ttft(url: str, seed: int, **extra: Any) -> dict[str, Any]:
-    """One streaming completion: the client's TTFT, the prompt's tokens and the router's ``prfaas`` field."""
+def ttft(client: httpx.Client, url: str, seed: int, **extra: Any) -> dict[str, Any]:
+    """One streaming completion on ``client``'s kept-alive connection to ``url``: the client's TTFT, the prompt's
+    tokens and the router's ``prfaas`` field."""
     body = {"model": MODEL, "prompt": prompt(seed), "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}
     started, first, text = time.perf_counter(), None, ""
     meta: dict[str, Any] = {}
     usage: dict[str, Any] = {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as reply:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data: {"):
@@ -151,6 +158,11 @@ def hops(url: str, samples: int) -> dict[str, dict[str, Any]]:
     return {name: spread(values) for name, values in out.items()}
 
 
+def alternate(i: int, deployed: list[Request], beside: list[Request]) -> list[Request]:
+    """Sample ``i``'s requests: the deployment's first on even samples, vLLM's beside it first on odd ones."""
+    return deployed + beside if i % 2 == 0 else beside + deployed
+
+
 def drain_prefill(url: str) -> None:
     httpx.post(f"{url}/admin/drain/prefill-0", timeout=30).raise_for_status()
     deadline = time.monotonic() + DRAIN_S
@@ -160,7 +172,7 @@ def drain_prefill(url: str) -> None:
         time.sleep(0.5)
 
 
-def deployed(mode: str, samples: int, loads: dict[str, list[float]],
+def deployed(client: httpx.Client, mode: str, samples: int, loads: dict[str, list[float]],
              hop_rows: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The remote and local stages of one deployment, each sample followed by the same prompt sent straight to the
     decode instance's own vLLM server (``beside_remote``, ``beside_local``: vLLM without prfaas's path, with the
@@ -171,20 +183,20 @@ def deployed(mode: str, samples: int, loads: dict[str, list[float]],
         (prefill_port,) = deployed_servers(proc.pid, "kv_producer").values()
         beside, beside_prefill = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{prefill_port}"
         for server in (url, beside, beside_prefill):  # warm-up: a vLLM server's first request pays one-off costs
-            ttft(server, 999)
+            ttft(client, server, 999)
         loads["remote"] = list(os.getloadavg())
-        for i in range(samples):
-            out["remote"].append(ttft(url, i))
-            out["remote_recompute_first"].append(ttft(url, i, stop=[NEVER]))
-            out["beside_prefill"].append(ttft(beside_prefill, i))
-            out["beside_remote"].append(ttft(beside, i))
+        for i in range(samples):  # in turn first and second, so that the order does not enter the pairs
+            routes: list[Request] = [("remote", url, {}), ("remote_recompute_first", url, {"stop": [NEVER]})]
+            besides: list[Request] = [("beside_prefill", beside_prefill, {}), ("beside_remote", beside, {})]
+            for name, server, extra in alternate(i, routes, besides):
+                out[name].append(ttft(client, server, i, **extra))
         hop_rows.update(hops(url, samples))
         drain_prefill(url)
-        ttft(url, 998)
+        ttft(client, url, 998)
         loads["local"] = list(os.getloadavg())
         for i in range(samples):
-            out["local"].append(ttft(url, i))
-            out["beside_local"].append(ttft(beside, i))
+            for name, server, extra in alternate(i, [("local", url, {})], [("beside_local", beside, {})]):
+                out[name].append(ttft(client, server, i, **extra))
     return out
 
 
@@ -197,19 +209,19 @@ def alone_server(role: str | None, extra: dict[str, Any] | None = None) -> Serve
     return start(models.smollm2_dir(), role, extra, name=MODEL, args=args, env=CONNECTOR_CPUS)
 
 
-def alone(samples: int, connector: bool) -> list[dict[str, Any]]:
+def alone(client: httpx.Client, samples: int, connector: bool) -> list[dict[str, Any]]:
     """vLLM alone with the flags prfaas's instance gives its child; ``connector``: ``PrfaasConnector`` loaded as a
     consumer that no request names a blob to."""
     server = alone_server("kv_consumer" if connector else None)
     try:
         wait_healthy([server])
-        ttft(server.url, 999)
-        return [ttft(server.url, i) for i in range(samples)]
+        ttft(client, server.url, 999)
+        return [ttft(client, server.url, i) for i in range(samples)]
     finally:
         stop(server)
 
 
-def producer(samples: int, overlap: str) -> dict[str, list[dict[str, Any]]]:
+def producer(client: httpx.Client, samples: int, overlap: str) -> dict[str, list[dict[str, Any]]]:
     """P's cost of saving, on one vLLM server with ``PrfaasConnector`` as a producer keeping blobs in its own store
     (``overlap``: when it encodes each saved layer): each prompt plain (``producer_plain_<overlap>``), then saved
     as the router's prefill requests are (``producer_saving_<overlap>``; the blob expires unread)."""
@@ -218,11 +230,11 @@ def producer(samples: int, overlap: str) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {f"producer_plain_{overlap}": [], f"producer_saving_{overlap}": []}
     try:
         wait_healthy([server])
-        ttft(server.url, 999, kv_transfer_params={"do_remote_decode": True, "kv_id": new_kv_id("0" * 12)})
+        ttft(client, server.url, 999, kv_transfer_params={"do_remote_decode": True, "kv_id": new_kv_id("0" * 12)})
         for i in range(samples):
-            out[f"producer_plain_{overlap}"].append(ttft(server.url, i))
+            out[f"producer_plain_{overlap}"].append(ttft(client, server.url, i))
             params = {"do_remote_decode": True, "kv_id": new_kv_id("0" * 12)}
-            out[f"producer_saving_{overlap}"].append(ttft(server.url, i, kv_transfer_params=params))
+            out[f"producer_saving_{overlap}"].append(ttft(client, server.url, i, kv_transfer_params=params))
         store = asyncio.run(transfer.stat(extra["kv_address"]))
         if store["blobs"] + store["deleted"] < samples + 1:
             raise RuntimeError(f"the producer saved {store['blobs'] + store['deleted']} blobs of {samples + 1}")
@@ -236,15 +248,15 @@ def beside_goal(stages: dict[str, list[dict[str, Any]]], name: str, allowance: f
     sample (P's on the remote routes, D's on the local one): the median of the paired differences, and whether it
     is within ``allowance``; on the remote routes also against D's vLLM (``over_decode_vllm_ms``: two servers of
     the same flags differ here by tens of milliseconds from one deployment to the next, either way)."""
-    def paired(base: str) -> float:
-        return statistics.median(s["ttft_ms"] - b["ttft_ms"] for s, b in zip(stages[name], stages[base], strict=True))
+    def paired(base: str) -> list[float]:
+        return [s["ttft_ms"] - b["ttft_ms"] for s, b in zip(stages[name], stages[base], strict=True)]
 
-    if name == "local":
-        over = paired("beside_local")
-        return {"over_beside_ms": round(over, 1), "met_beside": over <= allowance}
-    over = paired("beside_prefill")
-    return {"over_beside_ms": round(over, 1), "met_beside": over <= allowance,
-            "over_decode_vllm_ms": round(paired("beside_remote"), 1)}
+    differences = paired("beside_local" if name == "local" else "beside_prefill")
+    over, (q1, _, q3) = statistics.median(differences), statistics.quantiles(differences, n=4)
+    row = {"over_beside_ms": round(over, 1), "over_beside_q1_ms": round(q1, 1), "over_beside_q3_ms": round(q3, 1),
+           "met_beside": over <= allowance}
+    return row if name == "local" else {**row, "over_decode_vllm_ms": round(statistics.median(paired("beside_remote")),
+                                                                            1)}
 
 
 def saving_cost(stages: dict[str, list[dict[str, Any]]], overlap: str) -> dict[str, Any]:
@@ -274,13 +286,14 @@ def main() -> None:
     meta = provenance()
     loads: dict[str, list[float]] = {}
     hop_rows: dict[str, Any] = {}
-    stages = deployed(args.mode, args.samples, loads, hop_rows)
-    for name, connector in (("vllm", False), ("vllm_with_connector", True)):
-        loads[name] = list(os.getloadavg())
-        stages[name] = alone(args.samples, connector)
-    for overlap in OVERLAPS:
-        loads[f"producer_{overlap}"] = list(os.getloadavg())
-        stages.update(producer(args.samples, overlap))
+    with httpx.Client(timeout=300) as client:  # one kept-alive connection per server, as a serving client holds
+        stages = deployed(client, args.mode, args.samples, loads, hop_rows)
+        for name, connector in (("vllm", False), ("vllm_with_connector", True)):
+            loads[name] = list(os.getloadavg())
+            stages[name] = alone(client, args.samples, connector)
+        for overlap in OVERLAPS:
+            loads[f"producer_{overlap}"] = list(os.getloadavg())
+            stages.update(producer(client, args.samples, overlap))
     texts = {name: [s["text"] for s in rows] for name, rows in stages.items()}
     rows = {name: summary(samples) for name, samples in stages.items()}
     baselines = ("vllm", "vllm_with_connector")

@@ -294,7 +294,8 @@ def create_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         roles = {role: len(router.registry.healthy(role)) for role in router.required_roles()}
-        return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles},
+        return JSONResponse({"ready": router.ready(), "mode": router.mode, "healthy": roles,
+                             "tokenizers_loading": router.tokenizers.loading()},
                             status_code=200 if router.ready() else 503)
 
     registrar = registration.Registrar(apikeys.parse_keys(router.config.common.api_keys), tls=router.security.enabled())

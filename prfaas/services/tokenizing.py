@@ -115,6 +115,11 @@ class LocalTokenizers:
             self._ready[key] = tokenizing
         log.info("tokenising here with %s", root)
 
+    def loading(self) -> int:
+        """Tokenizers still loading (``/health`` says it; ``prfaas up`` waits for none, so that a deployment's
+        first requests do not share its cores with the load, several seconds of CPU for transformers' import)."""
+        return sum(loader.is_alive() for loader in self._loaders)
+
     def wait(self, timeout_s: float = 60.0) -> None:
         """Until every load begun so far has ended (tests, benchmarks)."""
         for loader in list(self._loaders):

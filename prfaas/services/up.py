@@ -214,14 +214,16 @@ class Deployment:
 
     def _healthy(self, url: str) -> bool:
         """Whether the router at ``url`` serves with every instance started for it registered and healthy (its
-        ``/health`` is ready with one of each role; ``prfaas is up`` waits for all of them)."""
+        ``/health`` is ready with one of each role; ``prfaas is up`` waits for all of them) and no tokenizer of
+        its own still loading."""
         o = self.options
         wanted = {"prefill": o.prefill, "decode": o.decode, **({"relay": 1} if o.mode == "relay" else {})}
         with contextlib.suppress(httpx.HTTPError, ValueError):
             verify = local.ca_client_context(self.tls_configs["ca"]) if self.tls_dir else True
             reply = httpx.get(f"{url}/health", timeout=2.0, verify=verify)
             healthy = dict(reply.json().get("healthy") or {})
-            return reply.status_code == 200 and all(int(healthy.get(r, 0)) >= n for r, n in wanted.items())
+            return (reply.status_code == 200 and all(int(healthy.get(r, 0)) >= n for r, n in wanted.items())
+                    and not reply.json().get("tokenizers_loading"))
         return False
 
     def supervise(self, stopping: Callable[[], bool]) -> None:

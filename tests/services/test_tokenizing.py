@@ -92,6 +92,7 @@ def test_a_router_tokenises_itself_once_it_has_loaded_the_decode_instance_s_toke
         ask(router, prompt=PROMPT)  # the first request starts the load and goes through the instance
         assert len(fake.calls_to("tokenize")) == 1
         router.tokenizers.wait()
+        assert router.tokenizers.loading() == 0
         reply = ask(router, prompt=PROMPT)
         ask(router, messages=CHAT)
         assert len(fake.calls_to("tokenize")) == 1  # no more round trips to the decode instance
@@ -125,5 +126,5 @@ def test_a_router_loads_a_bounded_number_of_tokenizers(tmp_path: Path) -> None:
         info = dataclasses.replace(fake.info("decode", f"d{i}"), model_root=str(tmp_path / str(i)))
         assert tokenizers.get(info) is None
     tokenizers.wait()
-    assert len(tokenizers._loaders) == tokenizing.MAX_TOKENIZERS
+    assert len(tokenizers._loaders) == tokenizing.MAX_TOKENIZERS and tokenizers.loading() == 0
     tokenizers.close()

@@ -61,3 +61,12 @@ def test_a_router_that_is_not_ready_is_not_up(router: tuple[str, type[_Health]])
     url, handler = router
     handler.body = {"ready": False, "mode": "direct", "healthy": {"prefill": 0, "decode": 2}}
     assert not Deployment(UpOptions(mode="direct", decode=2))._healthy(url)
+
+
+def test_a_router_still_loading_its_own_tokenizer_is_not_up(router: tuple[str, type[_Health]]) -> None:
+    """Its first requests would share the cores with the load (transformers' import: seconds of CPU)."""
+    url, handler = router
+    handler.body = {"ready": True, "mode": "direct", "healthy": {"prefill": 1, "decode": 1}, "tokenizers_loading": 1}
+    assert not Deployment(UpOptions(mode="direct"))._healthy(url)
+    handler.body = {**handler.body, "tokenizers_loading": 0}
+    assert Deployment(UpOptions(mode="direct"))._healthy(url)
