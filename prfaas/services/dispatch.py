@@ -197,7 +197,14 @@ class Dispatcher:
 
     def _local_facts(self, job: Job, decode: InstanceInfo) -> None:
         if job.meta.stages is not None and job.meta.stages.prefill_ms:
-            self.scheduler.local_prefill_done(decode.instance_id, len(job.token_ids), job.meta.stages.prefill_ms / 1e3)
+            self.scheduler.local_prefill_done(decode.instance_id, self._computed(job, decode),
+                                              job.meta.stages.prefill_ms / 1e3)
+
+    def _computed(self, job: Job, info: InstanceInfo) -> int:
+        """The prompt tokens ``info`` computed, as its summary said when it was chosen: a prefix it reused is not
+        prefill speed (counted, one cached turn made an instance look three times faster than the one beside it,
+        and the next turn of its conversation went there rather than where it was cached)."""
+        return max(1, len(job.token_ids) - PromptPrefix(job.token_ids, job.tenant.name, self.cluster).held(info))
 
     def _fell_back(self, job: Job, exc: PrfaasError) -> None:
         if not self.config.router.fallback_local_prefill:
@@ -329,7 +336,7 @@ class Dispatcher:
             return
         job.meta.kv_bytes = done.kv_bytes
         job.meta.add_stages(Stages(queue_ms=done.queue_ms, prefill_ms=done.prefill_ms))
-        self.scheduler.prefill_done(prefill.instance_id, len(job.token_ids), done.prefill_ms / 1e3)
+        self.scheduler.prefill_done(prefill.instance_id, self._computed(job, prefill), done.prefill_ms / 1e3)
         transfer_ms = job.meta.stages.transfer_ms if job.meta.stages else None
         exposed = (transfer_ms or 0.0) - done.prefill_ms - done.queue_ms
         restore_ms = job.meta.stages.restore_ms if job.meta.stages else None

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from prfaas.config import from_dict
+from prfaas.kv import Fingerprint
+from prfaas.kv.prefix import block_hashes, prefix_salt, summary_key
 from prfaas.obs import metrics
 from prfaas.services.fake_instances import FakeInstances
 from prfaas.services.router import Router
@@ -74,6 +76,20 @@ def test_a_faster_local_prefill_stays_local_and_teaches_the_local_speed(tmp_path
     learnt = r.scheduler.estimator.local_speed("d0").seconds(2000)
     assert learnt < 2000 * 0.0001
     assert r.scheduler.estimator.backlog.seconds("d0") == pytest.approx(0.0)
+
+
+def test_a_prefix_the_decode_instance_reused_is_not_taken_for_prefill_speed(tmp_path: Path) -> None:
+    """Its summary held all but the last block of the prompt: the fake's 2 ms local prefill computed 16 tokens."""
+    r, fake = router(tmp_path, remote_s=0.001, local_s=0.0001)
+    ids = list(range(1000, 3000))
+    salt = prefix_salt(Fingerprint.from_wire(r.registry.healthy("decode")[0].fingerprint), "default")
+    held = [summary_key(h) for h in block_hashes(ids, salt)]
+    r.registry.upsert(fake.info("decode", "d0", model="m", prefix_blocks=held[::-1]))
+    reply = asyncio.run(asyncio.wait_for(r.complete({"model": r.model_name, "prompt": ids, "max_tokens": 4},
+                                                    chat=False, tenant="default"), 10))
+    assert isinstance(reply, dict) and reply["prfaas"]["route"] == "local"
+    online = r.scheduler.estimator.local_speed("d0")._online
+    assert online == pytest.approx(0.002 / (2000 - (2000 - 1) // 16 * 16))
 
 
 def test_a_link_bound_request_asks_prefill_for_the_chosen_lossy_codec_and_says_so(tmp_path: Path) -> None:
