@@ -125,13 +125,15 @@ def test_a_cluster_without_its_credentials_is_refused_and_audited(pool: Pool, cl
 
 
 def test_a_burst_from_one_cluster_does_not_queue_the_other_behind_it(pool: Pool) -> None:
-    """Loose: east sends 12 prompts at once, west one a moment later; the pool serves west's before east's last
-    (arrival order would put it last). Order, not time, is checked; benchmarks/pool_fairness.py measures."""
+    """Loose: east sends 24 prompts at once, west one a moment later; the pool serves west's before east's last
+    (arrival order would put it last). Order, not time, is checked; benchmarks/pool_fairness.py measures. The burst
+    is three of the pool's batches (``prefill_max_batch`` 8), so that east's last batch is still queued when west's
+    arrives: with 12, two batches, west's was served last in one CI run."""
     log = pool.audit / "prefill-0-pool.audit"
     before = len(entries([log]))
-    with concurrent.futures.ThreadPoolExecutor(13) as workers:
-        burst = [workers.submit(pool.chat, "east") for _ in range(12)]
-        time.sleep(0.5)
+    with concurrent.futures.ThreadPoolExecutor(25) as workers:
+        burst = [workers.submit(pool.chat, "east") for _ in range(24)]
+        time.sleep(0.2)
         west = workers.submit(pool.chat, "west")
         assert west.result()[1]["route"] == "remote"
         assert sum(f.result()[1]["route"] == "remote" for f in burst) > 0  # (a pull may time out on this machine)
