@@ -202,8 +202,7 @@ class Dispatcher:
 
     def _computed(self, job: Job, info: InstanceInfo) -> int:
         """The prompt tokens ``info`` computed, as its summary said when it was chosen: a prefix it reused is not
-        prefill speed (counted, one cached turn made an instance look three times faster than the one beside it,
-        and the next turn of its conversation went there rather than where it was cached)."""
+        prefill speed (counted, it made an instance that served a cached turn look faster than its neighbours)."""
         return max(1, len(job.token_ids) - PromptPrefix(job.token_ids, job.tenant.name, self.cluster).held(info))
 
     def _fell_back(self, job: Job, exc: PrfaasError) -> None:

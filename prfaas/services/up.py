@@ -221,9 +221,10 @@ class Deployment:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             verify = local.ca_client_context(self.tls_configs["ca"]) if self.tls_dir else True
             reply = httpx.get(f"{url}/health", timeout=2.0, verify=verify)
-            healthy = dict(reply.json().get("healthy") or {})
+            body = reply.json()
+            healthy = dict(body.get("healthy") or {})
             return (reply.status_code == 200 and all(int(healthy.get(r, 0)) >= n for r, n in wanted.items())
-                    and not reply.json().get("tokenizers_loading"))
+                    and not body.get("tokenizers_loading"))
         return False
 
     def supervise(self, stopping: Callable[[], bool]) -> None:
