@@ -47,6 +47,7 @@ CHANGED = {
     "heartbeat_timeout_ms": 900, "drain_timeout_ms": 5,
     "offload_policy": "cost", "link_share": 0.5, "link_bandwidth_bps": 1e10, "prefill_profile": "p.json",
     "local_profile": "l.json", "adaptive_codec": {"min_agreement": 0.99}, "cluster": "east",
+    "local_tokenizer": False,
 }
 
 
