@@ -3,9 +3,10 @@
 - **queue waits**: the prefill seconds this router has sent an instance and not yet seen finished (its own
   backlog: complete for a decode instance, which serves one cluster's router), and, for a prefill instance of a
   pool that several routers share, its heartbeat's queue depth × this length's prefill time, whichever is larger;
-- **prefill times**: ``PrefillSpeed`` per instance — the speed profile of its side (``prefill_profile``,
-  ``local_profile``) refined by the prefills it completed (remote: the prefill's ``done``; local: decode's
-  first-token stages);
+- **prefill times**: ``PrefillSpeed`` per prefill instance, and one per decode pool (its instances run one model in
+  one dtype, and all their prefills outvote one instance's stall) — the speed profile of its side
+  (``prefill_profile``, ``local_profile``) refined by the prefills completed (remote: the prefill's ``done``;
+  local: decode's first-token stages);
 - **KV bytes**: the decode instance's heartbeat layout (``kv_bytes(tokens)``) × the codec's size ratio from the
   remote profile's ``kv`` rows (1 where the profile has none for the codec: no saving assumed);
 - **restore**: seconds per KV byte, learnt from decode's first-token ``restore_ms``;
@@ -21,7 +22,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prfaas.errors import InvalidRequest
+from prfaas.errors import InvalidRequest, PrfaasError
+from prfaas.kv import Fingerprint
 from prfaas.messages import InstanceInfo
 from prfaas.scheduler.cost import Inputs
 from prfaas.scheduler.links import Link
@@ -77,8 +79,9 @@ class Estimator:
     def remote_speed(self, instance_id: str) -> PrefillSpeed:
         return self.remote_speeds.setdefault(instance_id, self.remote_profile.fresh())
 
-    def local_speed(self, instance_id: str) -> PrefillSpeed:
-        return self.local_speeds.setdefault(instance_id, self.local_profile.fresh())
+    def local_speed(self, decode: InstanceInfo) -> PrefillSpeed:
+        """The prefill speed of ``decode``'s pool (keyed by its fingerprint's pool key)."""
+        return self.local_speeds.setdefault(_pool_key(decode), self.local_profile.fresh())
 
     def kv_bytes(self, tokens: int, decode: InstanceInfo, codec: str, decode_held: int = 0) -> float:
         """The blob's bytes in ``codec``; a suffix-only blob (docs/prefix-cache.md) leaves out the positions of the
@@ -95,12 +98,13 @@ class Estimator:
         return Inputs(kv_bytes=kv_bytes, remote_queue_s=remote_queue, remote_prefill_s=remote.seconds(tokens - held[0]),
                       restore_s=self.restore_s_per_byte * kv_bytes,
                       local_queue_s=self.backlog.seconds(decode.instance_id),
-                      local_prefill_s=self.local_speed(decode.instance_id).seconds(tokens - held[1]))
+                      local_prefill_s=self.local_speed(decode).seconds(tokens - held[1]))
 
-    def ticket(self, instance_id: str, tokens: int, remote: bool, link: Link | None = None,
-               kv_bytes: float = 0.0) -> Ticket:
-        """Count a routed request in its instance's backlog (and its KV on ``link``) until ``Ticket.close``."""
-        speed = self.remote_speed(instance_id) if remote else self.local_speed(instance_id)
+    def ticket(self, instance: InstanceInfo, tokens: int, link: Link | None = None, kv_bytes: float = 0.0) -> Ticket:
+        """Count a routed request in the backlog of the instance that prefills it (and its KV on ``link``) until
+        ``Ticket.close``."""
+        instance_id = instance.instance_id
+        speed = self.remote_speed(instance_id) if instance.role == "prefill" else self.local_speed(instance)
         seconds = speed.seconds(tokens)
         self.backlog.add(instance_id, seconds)
         if link is not None:
@@ -111,6 +115,13 @@ class Estimator:
         if kv_bytes > 0 and seconds >= 0:
             rate = seconds / kv_bytes
             self.restore_s_per_byte = (1 - _EWMA) * self.restore_s_per_byte + _EWMA * rate
+
+
+def _pool_key(info: InstanceInfo) -> str:
+    try:
+        return Fingerprint.from_wire(info.fingerprint).pool_key()
+    except PrfaasError:  # no whole fingerprint: a pool of its own
+        return f"instance:{info.instance_id}"
 
 
 def codec_ratios(kv_rows: list[tuple[int, str, int]]) -> dict[str, float]:

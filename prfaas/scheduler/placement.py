@@ -15,9 +15,9 @@ instance would reuse. An instance's score is then its expected seconds to the pr
 
 (each request ahead counted as one prefill of this length, as before; its own prefill only of what it lacks).
 Prefill instances take the lowest wait. Decode instances do too when any candidate holds part of the prompt, with
-the local prefill speed; without a hit they keep the power of two choices. So a hit wins among equal queues, and a
-longer queue outweighs it (a request ahead costs one whole prefill, a hit saves at most one): the overlap-vs-load
-weighing of Dynamo's KV router, in seconds instead of a tuned weight.
+their pool's local prefill speed (one for all its instances); without a hit they keep the power of two choices. So
+a hit wins among equal queues, and a longer queue outweighs it (a request ahead costs one whole prefill, a hit
+saves at most one): the overlap-vs-load weighing of Dynamo's KV router, in seconds instead of a tuned weight.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from prfaas.messages import InstanceInfo
 from prfaas.scheduler.speed import PrefillSpeed
 from prfaas.tenancy.clusters import DEFAULT_CLUSTER
 
-SpeedOf = Callable[[str], PrefillSpeed]  # an instance id's prefill speed
+SpeedOf = Callable[[InstanceInfo], PrefillSpeed]  # a decode instance's (its pool's) prefill speed
 
 
 class PromptPrefix:
@@ -92,7 +92,7 @@ def pick_decode(candidates: list[InstanceInfo], rng: random.Random, prompt: Prom
         return None
     if prompt is not None and speed_of is not None and any(prompt.held(i) for i in candidates):
         tokens = len(prompt.token_ids)
-        return min(candidates, key=lambda i: (expected_wait(i, tokens, speed_of(i.instance_id), prompt),
+        return min(candidates, key=lambda i: (expected_wait(i, tokens, speed_of(i), prompt),
                                               i.queue_depth, -i.free_kv_bytes, i.instance_id))
     pair = rng.sample(candidates, 2) if len(candidates) > 2 else candidates
     return min(pair, key=lambda i: (i.queue_depth, -i.free_kv_bytes, i.instance_id))

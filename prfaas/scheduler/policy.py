@@ -185,9 +185,8 @@ class Scheduler:
         the ticket is closed (its first token, or its end)."""
         if decision.route == REMOTE and decision.prefill is not None and decision.link is not None:
             kv = decision.kv_bytes or self.estimator.kv_bytes(tokens, decode, "")
-            return self.estimator.ticket(decision.prefill.instance_id, tokens, True, self.links.get(*decision.link),
-                                         kv)
-        return self.estimator.ticket(decode.instance_id, tokens, False)
+            return self.estimator.ticket(decision.prefill, tokens, self.links.get(*decision.link), kv)
+        return self.estimator.ticket(decode, tokens)
 
     def transfer_done(self, ticket: Ticket | None, ok: bool, kv_bytes: int = 0, exposed_s: float = 0.0,
                       restore_s: float | None = None) -> None:
@@ -208,8 +207,8 @@ class Scheduler:
     def prefill_done(self, instance_id: str, tokens: int, seconds: float) -> None:
         self.estimator.remote_speed(instance_id).observe(tokens, seconds)
 
-    def local_prefill_done(self, instance_id: str, tokens: int, seconds: float) -> None:
-        self.estimator.local_speed(instance_id).observe(tokens, seconds)
+    def local_prefill_done(self, decode: InstanceInfo, tokens: int, seconds: float) -> None:
+        self.estimator.local_speed(decode).observe(tokens, seconds)
 
 
 def _estimator(config: RouterConfig) -> Estimator:

@@ -89,12 +89,14 @@ class Dispatcher:
         self.cluster = config.router.cluster or DEFAULT_CLUSTER  # the salt of its prompts' prefixes on the pool
         self.instances = instances
         self._inflight: dict[str, list[int]] = {}  # decode instance → [requests, reserved KV bytes]
+        self._ended: dict[str, list[tuple[float, float]]] = {}  # decode instance → (start, end) of ended requests
 
-    async def run(self, job: Job, first_decode: InstanceInfo) -> AsyncIterator[Streamed]:
+    async def run(self, job: Job, first_decode: InstanceInfo) -> AsyncGenerator[Streamed]:
         decode, retries = first_decode, 0
         while True:
             held, need = decode.instance_id, decode.kv_bytes(len(job.token_ids) + job.max_tokens)
             self._reserve(held, need, +1)
+            started = self.registry.clock()
             try:
                 async for event in self._attempt(job, decode):
                     yield event
@@ -118,6 +120,7 @@ class Dispatcher:
                 job.meta.resumed_on = decode.instance_id
             finally:  # the instance this attempt reserved, even when ``decode`` names its successor now
                 self._reserve(held, -need, -1)
+                self._ended.setdefault(held, []).append((started, self.registry.clock()))
 
     async def acquire_decode(self, job: Job, exclude: frozenset[str] | set[str] = frozenset()) -> InstanceInfo:
         """The best decode instance with room; waits up to the queue deadline, then 503 (``degrade_or_queue``)."""
@@ -146,10 +149,24 @@ class Dispatcher:
             await asyncio.sleep(QUEUE_POLL_S)
 
     def _view(self, info: InstanceInfo) -> InstanceInfo:
-        """The heartbeat's figures, corrected by what this router sent since (heartbeats lag)."""
+        """The heartbeat's figures, corrected by what this router sent and saw end since (heartbeats lag): a
+        request of this router's that began before the heartbeat and ended after it was in the heartbeat's queue
+        and is no longer (left in, the instance that just served a conversation's turn looked busy to its next)."""
         count, reserved = self._inflight.get(info.instance_id, [0, 0])
         free = min(info.free_kv_bytes, info.kv_budget_bytes - reserved) if info.kv_budget_bytes else info.free_kv_bytes
-        return replace(info, queue_depth=max(info.queue_depth, count), free_kv_bytes=max(0, free))
+        return replace(info, queue_depth=max(info.queue_depth - self._ended_since_heartbeat(info.instance_id), count),
+                       free_kv_bytes=max(0, free))
+
+    def _ended_since_heartbeat(self, instance_id: str) -> int:
+        seen = self.registry.seen_at(instance_id)
+        ended = self._ended.get(instance_id)
+        if not ended:
+            return 0
+        if seen is None:
+            del self._ended[instance_id]
+            return 0
+        ended[:] = [(start, end) for start, end in ended if end > seen]  # later heartbeats count the rest
+        return sum(1 for start, _ in ended if start < seen)
 
     def _reserve(self, instance_id: str, kv_bytes: int, count: int) -> None:
         entry = self._inflight.setdefault(instance_id, [0, 0])
@@ -197,7 +214,7 @@ class Dispatcher:
 
     def _local_facts(self, job: Job, decode: InstanceInfo) -> None:
         if job.meta.stages is not None and job.meta.stages.prefill_ms:
-            self.scheduler.local_prefill_done(decode.instance_id, self._computed(job, decode),
+            self.scheduler.local_prefill_done(decode, self._computed(job, decode),
                                               job.meta.stages.prefill_ms / 1e3)
 
     def _computed(self, job: Job, info: InstanceInfo) -> int:

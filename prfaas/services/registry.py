@@ -67,6 +67,11 @@ class Registry:
         metrics.FREE_KV.labels(instance=info.instance_id).set(info.free_kv_bytes)
         self._publish()
 
+    def seen_at(self, instance_id: str) -> float | None:
+        """When (``clock``) the instance's last heartbeat arrived; None for an unknown id."""
+        entry = self._entries.get(instance_id)
+        return entry.last_seen if entry is not None else None
+
     def _admit(self, instance_id: str, fingerprint: Fingerprint) -> None:
         key = fingerprint.pool_key()
         if key in self.models:

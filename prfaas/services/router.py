@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -137,9 +137,15 @@ class Router:
         rid = openai_api.new_id(chat)
         events = self.dispatcher.run(job, decode)
         if req.stream:
-            first = await anext(events)  # errors before the first token still get a proper HTTP status
+            try:
+                first = await anext(events)  # errors before the first token still get a proper HTTP status
+            except BaseException:
+                await events.aclose()
+                raise
             return StreamingResponse(self._sse(req, rid, job, first, events), media_type="text/event-stream")
-        return await self._collect(req, rid, job, events)
+        # closed before the answer leaves: what it held on its decode instance is free for the next request
+        async with contextlib.aclosing(events):
+            return await self._collect(req, rid, job, events)
 
     def _admit(self, tenant: TenantPolicy) -> None:
         """The cluster's rate limit, then the tenant's own; ``RateLimited`` (429) from either."""
@@ -168,7 +174,7 @@ class Router:
         return Job(token_ids=ids, max_tokens=max_tokens, sampling=sampling, stop=req.stop, ignore_eos=req.ignore_eos)
 
     async def _collect(self, req: openai_api.CompletionRequest, rid: str, job: Job,
-                       events: AsyncIterator[Streamed]) -> dict[str, Any]:
+                       events: AsyncGenerator[Streamed]) -> dict[str, Any]:
         parts: list[str] = []
         async for event in events:
             parts.append(event.text)
@@ -179,7 +185,7 @@ class Router:
         raise KVTruncated("the stream ended without its 'done' event")  # Dispatcher.run ends with one
 
     async def _sse(self, req: openai_api.CompletionRequest, rid: str, job: Job, first: Streamed,
-                   events: AsyncIterator[Streamed]) -> AsyncIterator[bytes]:
+                   events: AsyncGenerator[Streamed]) -> AsyncIterator[bytes]:
         status = "cancelled"  # unless it ends with "done" or a prfaas error: the client left, or shutdown
         try:
             event, is_first = first, True
@@ -204,6 +210,7 @@ class Router:
             status = exc.code
             yield _sse(http.error_body(exc.http_status, exc.message, exc.code))
         finally:
+            await events.aclose()
             self._observe(job, status)
         yield b"data: [DONE]\n\n"
 

@@ -73,7 +73,7 @@ def test_a_faster_local_prefill_stays_local_and_teaches_the_local_speed(tmp_path
     assert (meta["route"], meta["reason_code"]) == ("local", "cost_prefill")
     assert not fake.calls_to("prefill")
     # the fake decode reports a local prefill of 2 ms: the router's view of d0 moved toward it
-    learnt = r.scheduler.estimator.local_speed("d0").seconds(2000)
+    learnt = r.scheduler.estimator.local_speed(r.registry.healthy("decode")[0]).seconds(2000)
     assert learnt < 2000 * 0.0001
     assert r.scheduler.estimator.backlog.seconds("d0") == pytest.approx(0.0)
 
@@ -88,7 +88,7 @@ def test_a_prefix_the_decode_instance_reused_is_not_taken_for_prefill_speed(tmp_
     reply = asyncio.run(asyncio.wait_for(r.complete({"model": r.model_name, "prompt": ids, "max_tokens": 4},
                                                     chat=False, tenant="default"), 10))
     assert isinstance(reply, dict) and reply["prfaas"]["route"] == "local"
-    online = r.scheduler.estimator.local_speed("d0")._online
+    online = r.scheduler.estimator.local_speed(r.registry.healthy("decode")[0]).online
     assert online == pytest.approx(0.002 / (2000 - (2000 - 1) // 16 * 16))
 
 

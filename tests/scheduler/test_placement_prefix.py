@@ -34,7 +34,7 @@ def inst(name: str, role: str = "decode", queue: int = 0, held: list[str] | None
                         prefix_blocks=held or [])
 
 
-def speed(_: str) -> PrefillSpeed:
+def speed(_: InstanceInfo) -> PrefillSpeed:
     return PrefillSpeed()
 
 

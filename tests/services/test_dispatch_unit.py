@@ -237,6 +237,35 @@ def test_decode_deaths_open_its_breaker() -> None:
     assert r.dispatcher._inflight == {"d0": [0, 0], "d1": [0, 0]}  # each attempt gave back what it reserved
 
 
+def test_a_finished_request_holds_nothing_once_its_answer_is_returned() -> None:
+    r, _ = router()
+
+    async def complete_then_look() -> list[int]:
+        await r.complete({"model": r.model_name, "prompt": SHORT, "max_tokens": 2}, chat=False, tenant="default")
+        return list(r.dispatcher._inflight["d0"])  # before anything else runs on the loop
+
+    assert run(complete_then_look()) == [0, 0]
+
+
+def test_a_heartbeat_sent_during_a_request_that_has_ended_since_does_not_count_it() -> None:
+    r, fake = router()
+    fake.decodes["d0"] = DecodeScript(token_delay_s=0.1)
+
+    async def heartbeat_during_a_request() -> None:
+        body = {"model": r.model_name, "prompt": SHORT, "max_tokens": 2}
+        request = asyncio.ensure_future(r.complete(body, chat=False, tenant="default"))
+        await asyncio.sleep(0.05)
+        r.registry.upsert(fake.info("decode", "d0", queue_depth=1))  # it counts that request, running
+        await request
+
+    run(heartbeat_during_a_request())
+    [seen] = [r.dispatcher._view(i) for i in r.registry.healthy("decode")]
+    assert seen.queue_depth == 0
+    r.registry.upsert(fake.info("decode", "d0", queue_depth=1))  # sent after it ended: another router's request
+    [seen] = [r.dispatcher._view(i) for i in r.registry.healthy("decode")]
+    assert seen.queue_depth == 1 and r.dispatcher._ended["d0"] == []
+
+
 def test_resume_is_bounded_by_the_retry_budget() -> None:
     r, fake = router(decodes=2, kv_retry_budget=0)
     for iid in ("d0", "d1"):

@@ -4,6 +4,7 @@ and that instance's prefix cache hits (its metrics say so)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -15,14 +16,14 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from prfaas.messages import InstanceInfo
+from prfaas.scheduler.placement import PromptPrefix
 from tests.conftest import random_prompt
 from tests.services.deploy import deployment
 
 KEY = "acme-key-" + "x" * 24
-# The second turn computes 16 of 208 tokens where its history is cached, all 208 elsewhere: placement weighs that
-# by each instance's learnt prefill speed. With 100 + 40 tokens (44 against 140) the other instance won in 2
-# fresh-clone CI runs of 3; the likely cause, not measured, is a cold first prefill teaching a slow speed.
-FIRST, ADDED = 200, 8
+# The second turn computes 44 of 140 tokens where its history is cached, all 140 elsewhere.
+FIRST, ADDED = 100, 40
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -66,15 +67,18 @@ def _saved_tokens(address: str) -> float:
                if s.name == "prfaas_prefix_cache_saved_tokens_total" and s.labels.get("role") == "decode")
 
 
-def _wait_until_reported(url: str, instance_id: str, blocks: int) -> dict[str, Any]:
-    """The instance's registry entry once its heartbeat names at least ``blocks`` held blocks."""
+def _wait_until_reported(url: str, instance_id: str, prompt: list[int]) -> dict[str, Any]:
+    """The instance's registry entry once its heartbeat names every full block of ``prompt`` (a count of held
+    blocks would be met by the previous conversation's)."""
     deadline = time.monotonic() + 30
+    whole = (len(prompt) - 1) // 16 * 16
     while time.monotonic() < deadline:
         entry = next(i for i in _instances(url) if i["instance_id"] == instance_id)
-        if len(entry["prefix_blocks"]) >= blocks:
+        info = InstanceInfo(**{f.name: entry[f.name] for f in dataclasses.fields(InstanceInfo)})
+        if PromptPrefix(prompt, "acme").held(info) >= whole:
             return entry
         time.sleep(0.1)
-    raise AssertionError(f"{instance_id} never reported {blocks} held blocks")
+    raise AssertionError(f"{instance_id} never reported the {whole} tokens of its prompt as held")
 
 
 def _assert_no_kv_left(url: str) -> None:
@@ -92,7 +96,7 @@ def test_the_next_turn_lands_where_the_conversation_is_cached(deployed: str, see
     first_prompt = random_prompt(FIRST, seed=seed)
     first = _complete(deployed, first_prompt)
     served = first["prfaas"]["decode_instance"]
-    entry = _wait_until_reported(deployed, served, FIRST // 16)
+    entry = _wait_until_reported(deployed, served, first_prompt)
     before = _saved_tokens(entry["url"])
     # the next turn re-sends the history (the answer's text stands in for its tokens) and adds the user's turn
     second = _complete(deployed, first_prompt + random_prompt(ADDED, seed=seed + 100))
