@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from prfaas.audit.report import entries
 from prfaas.demo import chat_ids
@@ -124,16 +125,27 @@ def test_a_cluster_without_its_credentials_is_refused_and_audited(pool: Pool, cl
     assert audited and (not secret or secret not in json.dumps(audited))
 
 
+def _inflight_tokens(prefill_url: str, cluster: str) -> float:
+    text = httpx.get(f"{prefill_url}/metrics", timeout=10).text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == "prfaas_pool_inflight_tokens" and s.labels.get("cluster") == cluster)
+
+
 def test_a_burst_from_one_cluster_does_not_queue_the_other_behind_it(pool: Pool) -> None:
-    """Loose: east sends 24 prompts at once, west one a moment later; the pool serves west's before east's last
-    (arrival order would put it last). Order, not time, is checked; benchmarks/pool_fairness.py measures. The burst
-    is three of the pool's batches (``prefill_max_batch`` 8), so that east's last batch is still queued when west's
-    arrives: with 12, two batches, west's was served last in one CI run."""
+    """Loose: east sends 16 prompts at once (two of the pool's batches, ``prefill_max_batch`` 8; as many as its
+    decode instance queues, ``decode_queue_limit``), west one as soon as the pool holds east's first; the pool
+    serves west's before east's last (arrival order would put it last). Order, not time, is checked;
+    benchmarks/pool_fairness.py measures. When west's followed 12 of east's after a fixed 0.5 s, it was served last
+    in one CI run: east's burst could be through by then."""
     log = pool.audit / "prefill-0-pool.audit"
     before = len(entries([log]))
-    with concurrent.futures.ThreadPoolExecutor(25) as workers:
-        burst = [workers.submit(pool.chat, "east") for _ in range(24)]
-        time.sleep(0.2)
+    prefill = pool.prefill_url()
+    with concurrent.futures.ThreadPoolExecutor(17) as workers:
+        burst = [workers.submit(pool.chat, "east") for _ in range(16)]
+        deadline = time.monotonic() + 60
+        while not _inflight_tokens(prefill, "east"):
+            assert time.monotonic() < deadline, "east's burst never reached the pool"
+            time.sleep(0.01)
         west = workers.submit(pool.chat, "west")
         assert west.result()[1]["route"] == "remote"
         assert sum(f.result()[1]["route"] == "remote" for f in burst) > 0  # (a pull may time out on this machine)
