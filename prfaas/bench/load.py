@@ -58,6 +58,17 @@ async def run_cell(url: str, model: str, cell: Cell, matrix: Matrix, epoch: floa
     return records
 
 
+async def warm_up(url: str, model: str, matrix: Matrix, epoch: float, verify: Verify = True) -> RequestRecord:
+    """One request of the matrix's longest prompt and output, not counted in any cell (as vLLM's serving benchmark
+    sends a test prompt first): a fresh deployment's first request pays for its first forward passes and
+    connections, and a quick cell holds one or two requests, so that one would decide its P50."""
+    rng = random.Random(f"warm-up-{url}")
+    body = request_body(model, prompt(rng, max(matrix.input_lens), matrix.vocab_low, matrix.vocab_high),
+                        max(matrix.output_lens))
+    async with httpx.AsyncClient(timeout=matrix.request_timeout_s, verify=verify) as client:
+        return await send(client, url, body, epoch, matrix.request_timeout_s)
+
+
 async def _tick(tick: Tick, started: float) -> None:
     while True:
         await asyncio.sleep(1.0)

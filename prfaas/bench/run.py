@@ -25,7 +25,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prfaas.bench import target as prfaas_target
 from prfaas.bench.client import RequestRecord
-from prfaas.bench.load import Tick, check_target, model_name, run_cell, token_bound
+from prfaas.bench.load import Tick, check_target, model_name, run_cell, token_bound, warm_up
 from prfaas.bench.matrix import Cell, Matrix
 from prfaas.bench.network import NetworkControl
 from prfaas.bench.sampler import Sampler
@@ -58,6 +58,7 @@ class Run:
         self.started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         self.console = Console(stderr=True)
         self.progress: Progress | None = None  # live while ``live`` is entered on a terminal
+        self.warm_ups: dict[str, dict[str, Any]] = {}  # URL → its warm-up request's record
 
     async def execute(self) -> dict[str, Any]:
         o = self.o
@@ -67,6 +68,8 @@ class Run:
             await check_target(url, self.verify)
         self.model = self.model or await model_name(o.target, self.verify)
         await self._fit_prompt_ids()
+        self.warm_ups = {url: _compact(await warm_up(url, self.model, self.matrix, self.epoch, self.verify))
+                         for url in (o.target, *([measured] if measured else []))}
         baseline_cells = previous if previous is not None else await self._baseline()
         by_load = {c["load_key"]: c["metrics"] for c in baseline_cells if not c.get("skipped")}
         changes_network = any(n != "normal" for n in self.matrix.networks)
@@ -103,7 +106,7 @@ class Run:
                 "prompt_ids": [self.matrix.vocab_low, self.matrix.vocab_high],
                 "loadavg_1m_at_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
                 "baseline": self.o.baseline, "network_control": control,
-                "started": self.started}
+                "started": self.started, "warm_up": self.warm_ups}
 
     def _previous_baseline(self) -> list[dict[str, Any]]:
         """The normal-network cells of a previous run's results.json."""

@@ -30,6 +30,8 @@ def test_bench_run_against_a_tiny_deployment_writes_a_full_report(tmp_path: Path
     if no_lab:
         assert [c["network"] for c in results["cells"] if c.get("skipped")] == ["loss", "loss"]
     assert len(results["baseline_cells"]) == 2
+    [warm] = results["meta"]["warm_up"].values()  # target and baseline are one URL here: warmed once
+    assert warm["error"] is None and warm["output_tokens"] == 4  # and counted in no cell (3 requests each, below)
     for cell in judged:
         m = cell["metrics"]
         assert m["requests"] == 3 and m["ok"] == 3, m["errors"]
