@@ -12,6 +12,8 @@ Load is relative to the all-remote capacity on the steady link. Policies per cel
 threshold of the sweep, ``fixed (tuned)`` — the sweep's best on the *steady* link at that load, i.e. the threshold
 a deployment would have planned, kept when the bandwidth halves — and ``online`` (``link_share`` 0.7, the default)
 and ``online, share 1.0`` (the same link allowance as the fixed thresholds, which have no utilisation limit).
+Each policy's ``link_load`` is the KV rate it routed after the change over the link's bandwidth then; ``best fixed
+within 70 %`` is the sweep's best among the thresholds whose load keeps the 70 % rule the online policy keeps.
 """
 
 from __future__ import annotations
@@ -52,16 +54,24 @@ def cell(base: Sim, rate: float, prompts: list[int], gaps: list[float], halved: 
     return rows
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(rows: list[dict[str, Any]], share: float) -> dict[str, Any]:
     by = {r["policy"]: r for r in rows}
     sweep = [r for r in rows if r["policy"].startswith("fixed t=") or r["policy"] == "all-remote"]
     best = max(sweep, key=lambda r: r["throughput_rps"])
+    within = max([r for r in sweep if r["link_load"] <= share] or sweep, key=lambda r: r["throughput_rps"])
+    online_rps = by["online"]["throughput_rps"]
     out = {"best_fixed": best["policy"], "best_fixed_rps": best["throughput_rps"],
-           "online_rps": by["online"]["throughput_rps"],
-           "online_vs_best_fixed": by["online"]["throughput_rps"] / best["throughput_rps"],
-           "online_share1_vs_best_fixed": by["online, share 1.0"]["throughput_rps"] / best["throughput_rps"]}
+           "best_fixed_link_load": best["link_load"], "online_rps": online_rps,
+           "online_link_load": by["online"]["link_load"],
+           "online_vs_best_fixed": online_rps / best["throughput_rps"],
+           "online_share1_vs_best_fixed": by["online, share 1.0"]["throughput_rps"] / best["throughput_rps"],
+           "best_fixed_within_share": within["policy"],
+           "online_vs_best_fixed_within_share": online_rps / within["throughput_rps"]}
     if "fixed (tuned)" in by:
-        out["online_vs_tuned_fixed"] = by["online"]["throughput_rps"] / by["fixed (tuned)"]["throughput_rps"]
+        tuned = by["fixed (tuned)"]
+        out["online_vs_tuned_fixed"] = online_rps / tuned["throughput_rps"]
+        out["online_share1_vs_tuned_fixed"] = by["online, share 1.0"]["throughput_rps"] / tuned["throughput_rps"]
+        out["tuned_fixed_link_load"] = tuned["link_load"]
     return out
 
 
@@ -82,7 +92,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                         ("halved", cell(base, capacity * load, prompts, gaps, True, tuned))):
                 head = {"bandwidth_gbps": gbps, "load": load, "arrival_rps": capacity * load, "link": scenario}
                 rows += [{**head, **r} for r in cell_rows]
-                summaries.append({**head, **summary(cell_rows)})
+                summaries.append({**head, **summary(cell_rows, base.link_share)})
     return {"provenance": provenance(), "setup": vars(args), "model": simulate.__doc__, "rows": rows,
             "summary": summaries}
 
@@ -91,14 +101,19 @@ def show(result: dict[str, Any]) -> None:
     args = result["setup"]
     table = Table(title=f"simulated cluster: {args['prefill']} remote prefill, {args['decode']} decode, local "
                         f"prefill {args['local_slowdown']:g}x slower; throughput req/s")
-    for col in ("Gbit/s", "load", "link", "best fixed", "best", "online", "vs best", "share 1.0 vs best",
-                "vs tuned"):
+    for col in ("Gbit/s", "load", "link", "best fixed", "best", "its link load", "online", "its link load",
+                "vs best", "vs best within 70 %", "share 1.0 vs best", "vs tuned", "share 1.0 vs tuned",
+                "tuned link load"):
         table.add_column(col, justify="right")
     for s in result["summary"]:
-        tuned = s.get("online_vs_tuned_fixed")
+        def opt(key: str, s: dict[str, Any] = s) -> str:
+            return "" if key not in s else f"{s[key]:.3f}"
         table.add_row(f"{s['bandwidth_gbps']:g}", f"{s['load']:.1f}", s["link"], s["best_fixed"],
-                      f"{s['best_fixed_rps']:.3f}", f"{s['online_rps']:.3f}", f"{s['online_vs_best_fixed']:.3f}",
-                      f"{s['online_share1_vs_best_fixed']:.3f}", "" if tuned is None else f"{tuned:.3f}")
+                      f"{s['best_fixed_rps']:.3f}", f"{s['best_fixed_link_load']:.0%}", f"{s['online_rps']:.3f}",
+                      f"{s['online_link_load']:.0%}", f"{s['online_vs_best_fixed']:.3f}",
+                      f"{s['online_vs_best_fixed_within_share']:.3f}", f"{s['online_share1_vs_best_fixed']:.3f}",
+                      opt("online_vs_tuned_fixed"), opt("online_share1_vs_tuned_fixed"),
+                      "" if "tuned_fixed_link_load" not in s else f"{s['tuned_fixed_link_load']:.0%}")
     Console().print(table)
 
 

@@ -22,17 +22,32 @@ class TokenBucket:
         self._tokens = self.burst
         self._at = clock()
 
-    def take(self, amount: float = 1.0) -> float:
-        """Take ``amount`` tokens (a request: 1; prompt tokens: their count). An amount over ``burst`` goes from a
-        full bucket and leaves it in debt, so that no amount waits for ever."""
+    def available(self) -> float:
+        """The tokens saved up now (negative while in debt)."""
         now = self.clock()
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
+        return self._tokens
+
+    def spend(self, amount: float) -> None:
+        """Take ``amount`` whatever is left: the bucket may go into debt, repaid at ``rate``."""
+        self._tokens = self.available() - amount
+
+    def retune(self, rate: float, burst: float) -> None:
+        """A new rate and burst from now on (what was saved up so far at the old rate)."""
+        self.available()
+        self.rate, self.burst = max(rate, 1e-12), burst
+        self._tokens = min(self._tokens, burst)
+
+    def take(self, amount: float = 1.0) -> float:
+        """Take ``amount`` tokens (a request: 1; prompt tokens: their count). An amount over ``burst`` goes from a
+        full bucket and leaves it in debt, so that no amount waits for ever."""
+        tokens = self.available()
         need = min(amount, self.burst)
-        if self._tokens >= need:
+        if tokens >= need:
             self._tokens -= amount
             return 0.0
-        return (need - self._tokens) / self.rate
+        return (need - tokens) / self.rate
 
     @staticmethod
     def retry_after(wait_s: float) -> int:

@@ -75,11 +75,13 @@ SOURCES: dict[str, Source] = {
     ), PY + "benchmarks/transport.py --size 256MiB --size-1g 64MiB --repeat 3"),
     "scheduler.json": Source("benchmarks/scheduler.py", (
         View("online cost model against fixed thresholds (throughput ratios)", "summary", _cols(
-            "bandwidth_gbps", "load", "link", "best_fixed", "best_fixed_rps", "online_rps", "online_vs_best_fixed",
-            "online_share1_vs_best_fixed", "online_vs_tuned_fixed")),
+            "bandwidth_gbps", "load", "link", "best_fixed", "best_fixed_rps", "best_fixed_link_load", "online_rps",
+            "online_link_load", "online_vs_best_fixed", "best_fixed_within_share", "online_vs_best_fixed_within_share",
+            "online_share1_vs_best_fixed", "online_vs_tuned_fixed", "online_share1_vs_tuned_fixed",
+            "tuned_fixed_link_load")),
         View("simulated cluster", "rows", _cols(
             "bandwidth_gbps", "load", "link", "policy", "threshold", "offload_fraction", "throughput_rps",
-            "ttft_p50_s", "ttft_p99_s", "link_gbps"))),
+            "ttft_p50_s", "ttft_p99_s", "link_gbps", "link_load"))),
         PY + "benchmarks/scheduler.py --requests 3000"),
     "tenancy.json": Source("benchmarks/tenancy.py", documented=PY + "benchmarks/tenancy.py"),
     "chunk_attention.json": Source("benchmarks/chunk_attention.py"),

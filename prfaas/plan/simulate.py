@@ -7,7 +7,9 @@ Model (written into the benchmark's JSON):
   time (``Sim.bandwidth_at``);
 - local prefill: on the request's decode instance (round robin), FIFO, at ``local_prefill`` speed;
 - decode: continuous batching, TPOT = 25 ms + 0.25 ms × batch, at most 64 sequences per instance.
-Throughput is completed requests per second of simulated time; TTFT percentiles over all requests.
+Throughput is completed requests per second of simulated time; TTFT percentiles over all requests; ``link_load``
+the KV rate the policy routed (after the change, if any) over the link's bandwidth then: above 1 the link falls
+behind for good, above ``link_share`` it breaks the 70 % rule.
 
 The online policy is the router's own code, driven by the simulated clock: ``prfaas.scheduler.cost.decide`` for
 the route and a ``prfaas.scheduler.links.Link`` (``Link.decide``) for the link's budget, its bytes in flight and
@@ -56,7 +58,7 @@ class _State:
     remote_free: list[float] = field(default_factory=list)
     local_free: list[float] = field(default_factory=list)
     link_free: float = 0.0
-    pending: list[tuple[float, float, float]] = field(default_factory=list)  # (end, bytes, prefill end)
+    pending: list[tuple[float, float, float, float]] = field(default_factory=list)  # (end, bytes, prefill end, s)
     link: Link | None = None
 
 
@@ -77,7 +79,7 @@ def online(floor: int = 0) -> Policy:
         remote_wait = max(0.0, min(state.remote_free) - state.now)
         inputs = Inputs(sim.kv_bytes(n), remote_wait, sim.remote_prefill(n), 0.0,
                         max(0.0, state.local_free[d] - state.now), sim.local_prefill(n))
-        return link.decide(inputs, sim.link_share, sim.chunk_bytes).route == "remote"
+        return link.decide(inputs, sim.chunk_bytes).route == "remote"
     return choose
 
 
@@ -85,16 +87,17 @@ def _deliver(state: _State) -> None:
     """Transfers that ended by now: their bytes leave the link's in-flight count and feed its estimate."""
     assert state.link is not None
     while state.pending and state.pending[0][0] <= state.now:
-        end, kv, done = heapq.heappop(state.pending)
+        end, kv, done, prefill_s = heapq.heappop(state.pending)
         state.link.delivered(kv)
-        state.link.transfer_done(kv, end - done, state.sim.chunk_bytes, at=end)
+        state.link.transfer_done(kv, end - done, state.sim.chunk_bytes, at=end, prefill_s=prefill_s)
 
 
 def _remote(state: _State, n: int) -> float:
     sim = state.sim
     k = min(range(sim.prefill), key=state.remote_free.__getitem__)
     start = max(state.now, state.remote_free[k])
-    done = start + sim.remote_prefill(n)
+    prefill_s = sim.remote_prefill(n)
+    done = start + prefill_s
     state.remote_free[k] = done
     kv = sim.kv_bytes(n)
     bw = sim.bandwidth_at(state.now)
@@ -102,16 +105,18 @@ def _remote(state: _State, n: int) -> float:
     state.link.send(kv)
     link_start = max(start, state.link_free)
     state.link_free = max(link_start + kv * 8 / bw, done + min(kv, sim.chunk_bytes) * 8 / bw)
-    heapq.heappush(state.pending, (state.link_free, kv, done))
+    heapq.heappush(state.pending, (state.link_free, kv, done, prefill_s))
     return state.link_free
 
 
 def run(sim: Sim, policy: Policy, rate: float, prompts: list[int], gaps: list[float]) -> dict[str, float]:
     """Serve ``prompts`` arriving ``gaps`` apart (seconds, scaled by 1 / ``rate``) under ``policy``."""
     state = _State(sim, remote_free=[0.0] * sim.prefill, local_free=[0.0] * sim.decode)
-    state.link = Link(("sim", "sim"), LinkMonitor(math.inf, 0.0), Bandwidth(sim.link_bps), lambda: state.now)
+    state.link = Link(("sim", "sim"), LinkMonitor(math.inf, 0.0), Bandwidth(sim.link_bps), lambda: state.now,
+                      sim.link_share)
     ends: list[list[float]] = [[] for _ in range(sim.decode)]
-    ttfts, finishes, remote, sent = [], [], 0, 0.0
+    ttfts, finishes, remote, sent, sent_after = [], [], 0, 0.0, 0.0
+    since = 0.0 if math.isinf(sim.change_at_s) else sim.change_at_s
     for i, (n, gap) in enumerate(zip(prompts, gaps, strict=True)):
         state.now += gap / rate
         _deliver(state)
@@ -119,6 +124,7 @@ def run(sim: Sim, policy: Policy, rate: float, prompts: list[int], gaps: list[fl
         if policy(state, n, d):
             remote += 1
             sent += sim.kv_bytes(n)
+            sent_after += sim.kv_bytes(n) if state.now >= since else 0.0
             first = _remote(state, n)
         else:
             first = max(state.now, state.local_free[d]) + sim.local_prefill(n)
@@ -133,7 +139,8 @@ def run(sim: Sim, policy: Policy, rate: float, prompts: list[int], gaps: list[fl
     span = max(finishes)
     return {"throughput_rps": len(prompts) / span, "ttft_p50_s": statistics.median(ttfts),
             "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))], "offload_fraction": remote / len(prompts),
-            "link_gbps": 8 * sent / span / 1e9}
+            "link_gbps": 8 * sent / span / 1e9,
+            "link_load": 8 * sent_after / max(state.now - since, 1e-9) / sim.bandwidth_at(since)}
 
 
 def _decode_slot(ends: list[float], ready: float) -> float:

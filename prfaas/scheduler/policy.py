@@ -16,8 +16,9 @@ has passed (``prfaas.scheduler.quota``); with none left the request stays local 
 Every (prefill datacenter, decode datacenter) pair is its own link (``prfaas.scheduler.links``): a degraded link
 keeps the requests of that pair local, and no other. ``offload_policy: cost`` replaces the last step (over the
 threshold → remote) with the online cost model (``prfaas.scheduler.cost``): the threshold is then a floor, a
-request whose KV would take the link's KV bytes over ``link_share`` of its bandwidth stays local (``link_busy``),
-and otherwise the route with the lower predicted TTFT wins, the reason code naming the term that decided.
+request the link's budget has no room for (``link_share`` of its bandwidth, ``prfaas.scheduler.links``) stays
+local (``link_busy``), and otherwise the route with the lower predicted TTFT wins, the reason code naming the
+term that decided.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class Scheduler:
         self.rng = rng or random.Random()
         self.chunk_bytes = chunk_bytes
         self.breakers = CircuitBreaker()
-        self.links = Links(config.degrade_p99_ms, config.success_rate_threshold, config.link_bandwidth_bps, clock)
+        self.links = Links(config.degrade_p99_ms, config.success_rate_threshold, config.link_bandwidth_bps, clock,
+                           config.link_share)
         self.bucket = TokenBucket(config.rate_limit_qps)
         self.estimator = _estimator(config)
         self.codecs = parse_codecs(config.adaptive_codec)
@@ -149,13 +151,13 @@ class Scheduler:
         kv = self.estimator.kv_bytes(tokens, decode, codec, held[1])
         inputs = self.estimator.inputs(tokens, kv, prefill, decode, held)
         lossy = self.codecs.allowed(tenant, decode.model) if self.codecs is not None else []
-        verdict = link.decide(inputs, self.config.link_share, self.chunk_bytes, record=not lossy)
+        verdict = link.decide(inputs, self.chunk_bytes, record=not lossy)
         if lossy and verdict.route == LOCAL and verdict.code in LINK_BOUND:
             compressed = self._compressed(tokens, inputs, decode, link, lossy, kv, held[1])
             if compressed is not None:
                 return replace(compressed, prefill=prefill, relay=relay)
         if lossy:  # no codec taken: the plain candidate joins the link's ranking after all
-            verdict = link.decide(inputs, self.config.link_share, self.chunk_bytes)
+            verdict = link.decide(inputs, self.chunk_bytes)
         if verdict.code == "link_busy":
             return Decision(LOCAL, "link_busy", f"{verdict.explain()}, but link {link_name(link.key)} (estimated "
                             f"{link.bandwidth.estimate_bps / 1e9:.2f} Gbit/s) has no room for its {kv / 2**20:.1f} "
@@ -172,9 +174,9 @@ class Scheduler:
             if kv >= plain_kv:
                 continue  # no measured size for it in the profile, or no smaller
             trial = replace(inputs, kv_bytes=kv, restore_s=self.estimator.restore_s_per_byte * kv)
-            if link.decide(trial, self.config.link_share, self.chunk_bytes, record=False).route != REMOTE:
+            if link.decide(trial, self.chunk_bytes, record=False).route != REMOTE:
                 continue
-            verdict = link.decide(trial, self.config.link_share, self.chunk_bytes)
+            verdict = link.decide(trial, self.chunk_bytes)
             return Decision(REMOTE, "link_codec", f"the link is the bottleneck: KV in {name} (measured agreement "
                             f"{agreement:.1%}), {kv / 2**20:.1f} MiB instead of {plain_kv / 2**20:.1f} MiB; "
                             f"{verdict.explain()}", link=link.key, kv_bytes=kv, codec=name)
@@ -189,13 +191,14 @@ class Scheduler:
         return self.estimator.ticket(decode, tokens)
 
     def transfer_done(self, ticket: Ticket | None, ok: bool, kv_bytes: int = 0, exposed_s: float = 0.0,
-                      restore_s: float | None = None) -> None:
-        """A remote transfer's outcome, for its link's monitor and bandwidth estimate."""
+                      restore_s: float | None = None, prefill_s: float = 0.0) -> None:
+        """A remote transfer's outcome, for its link's monitor and bandwidth estimate (``prefill_s``: the forward
+        pass the blob streamed beside)."""
         if ticket is None or ticket.link is None:
             return
         ticket.link.monitor.record(ok=ok, exposed_ms=exposed_s * 1e3)
         if ok:
-            ticket.link.transfer_done(kv_bytes, exposed_s, self.chunk_bytes)
+            ticket.link.transfer_done(kv_bytes, exposed_s, self.chunk_bytes, prefill_s=prefill_s)
         if ok and restore_s is not None:
             self.estimator.observe_restore(kv_bytes, restore_s)
 

@@ -357,7 +357,8 @@ class Dispatcher:
         exposed = (transfer_ms or 0.0) - done.prefill_ms - done.queue_ms
         restore_ms = job.meta.stages.restore_ms if job.meta.stages else None
         self.scheduler.transfer_done(job.ticket, ok=True, kv_bytes=done.kv_bytes, exposed_s=max(0.0, exposed) / 1e3,
-                                     restore_s=None if restore_ms is None else restore_ms / 1e3)
+                                     restore_s=None if restore_ms is None else restore_ms / 1e3,
+                                     prefill_s=done.prefill_ms / 1e3)
         metrics.TRANSFER_EXPOSED.observe(max(0.0, exposed) / 1e3)
 
     async def _decode(self, job: Job, decode: InstanceInfo, body: GenerateRequest) -> AsyncIterator[Streamed]:

@@ -125,22 +125,46 @@ def test_bytes_in_flight_on_a_link_raise_the_remote_cost(tmp_path: Path) -> None
     assert s.route(8192, [prefill], [], decode=decode, home="dc-b").route == "remote"
 
 
-def test_the_link_budget_keeps_the_requests_that_gain_least_per_byte_local(tmp_path: Path) -> None:
+def test_the_link_takes_requests_while_its_byte_bucket_is_not_in_debt(tmp_path: Path) -> None:
     clock = Clock()
     s = cost_scheduler(tmp_path, clock, link_bandwidth_bps=1 * GBIT, link_share=0.7)
     prefill, decode = inst("p", "prefill", "dc-a"), inst("d", "decode", "dc-b")
-    budget = 0.7 * 1 * GBIT / 8 * 10  # bytes: link_share × bandwidth × the 10 s window
+    bucket = 0.7 * 1 * GBIT / 8 * 10  # bytes: link_share × bandwidth, ten seconds of it saved up
     routed = 0.0
-    while routed + 8192 * 10_000 <= budget:  # fill the window with remote requests
+    while routed < bucket:  # the last one goes although its bytes leave the bucket in debt
         d = s.route(8192, [prefill], [], decode=decode, home="dc-b")
         assert d.route == "remote"
-        s.begin(d, decode, 8192).close()  # delivered at once: only the window's budget is left to decide
+        s.begin(d, decode, 8192).close()  # delivered at once: only the link's budget is left to decide
         routed += d.kv_bytes
+    assert routed - bucket < 8192 * 10_000
     d = s.route(8192, [prefill], [], decode=decode, home="dc-b")
     assert (d.route, d.reason_code) == ("local", "link_busy")
     assert "no room" in d.reason
-    clock.now = 11.0  # the window moved on
+    clock.now = (routed - bucket) / (0.7 * 1 * GBIT / 8) - 0.01  # the debt is not repaid yet
+    assert s.route(8192, [prefill], [], decode=decode, home="dc-b").route == "local"
+    clock.now += 0.02
     assert s.route(8192, [prefill], [], decode=decode, home="dc-b").route == "remote"
+
+
+def test_when_the_link_is_short_the_prompts_that_save_least_per_byte_stay_local(tmp_path: Path) -> None:
+    clock = Clock()
+    s = cost_scheduler(tmp_path, clock, link_bandwidth_bps=1 * GBIT, link_share=0.7)
+    prefill = inst("p", "prefill", "dc-a")
+    decode = dataclasses.replace(inst("d", "decode", "dc-b"), kv_fixed_bytes=20_000_000)  # a hybrid's state
+    for _ in range(8):  # the decode instance is busy with local prefills: every prompt would rather go remote
+        s.begin(Decision("local", "cost_queue", ""), decode, 8192)
+    routes: dict[int, list[str]] = {512: [], 6144: []}
+    for i in range(1200):  # a long and a short prompt every second for ten minutes, KV delivered at once
+        clock.now = i / 2
+        n = 512 if i % 2 else 6144
+        d = s.route(n, [prefill], [], decode=decode, home="dc-b")
+        routes[n].append(d.route)
+        if d.route == "remote":
+            s.begin(d, decode, n).close()
+    # the long ones ask 0.65 of the link, the short ones 0.20 more, mostly the fixed part: the short ones yield
+    long, short = routes[6144][120:], routes[512][120:]
+    assert long.count("remote") >= 0.95 * len(long)
+    assert short.count("remote") <= 0.5 * len(short)
 
 
 def test_the_codec_shrinks_the_predicted_kv(tmp_path: Path) -> None:

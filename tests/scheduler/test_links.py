@@ -17,12 +17,15 @@ GBIT = 1e9
 
 
 
-def test_link_bound_transfers_lower_the_estimate_and_ones_that_kept_up_restore_it() -> None:
+def test_link_bound_transfers_lower_the_estimate_and_ones_that_kept_up_restore_it_slowly() -> None:
     bw = Bandwidth(10 * GBIT)
     for _ in range(30):  # back-to-back deliveries of 100 MiB every 0.168 s: a 5 Gbit/s link
         bw.observe(100 * MIB, 100 * MIB * 8 / (5 * GBIT), exposed_s=1.0, chunk_bytes=4 * MIB)
     assert bw.estimate_bps == pytest.approx(5 * GBIT, rel=0.01)
-    for _ in range(30):  # the transfers now end with their forward pass: the link has room
+    for _ in range(10):  # the transfers now end with their forward pass: the link had room for them, no more
+        bw.observe(100 * MIB, 1.0, exposed_s=0.001, chunk_bytes=4 * MIB)
+    assert 5.5 * GBIT < bw.estimate_bps < 7 * GBIT
+    for _ in range(150):  # it keeps up: the link came back
         bw.observe(100 * MIB, 1.0, exposed_s=0.001, chunk_bytes=4 * MIB)
     assert bw.estimate_bps == pytest.approx(10 * GBIT, rel=0.01)
     bw.observe(100 * MIB, 0.001, exposed_s=1.0, chunk_bytes=4 * MIB)  # faster than provisioned: capped
@@ -37,6 +40,15 @@ def test_the_gap_since_the_previous_delivery_is_what_the_link_spent() -> None:
         link.transfer_done(100 * MIB, exposed_s=2.0, chunk_bytes=4 * MIB)
     assert link.bandwidth.estimate_bps == pytest.approx(2 * GBIT, rel=0.02)
     assert link_name(link.key) == "dc-a:dc-b" and link_name(("", "")) == "-:-"
+
+
+def test_a_link_bound_blob_is_timed_from_the_forward_pass_it_streamed_beside() -> None:
+    clock = Clock()
+    link = Links(50, 0.99, 10 * GBIT, clock).get("dc-a", "dc-b")
+    for i in range(40):  # 1 Gbit/s: 250 MiB take 2.1 s, streamed beside a 1.5 s forward pass, 0.6 s exposed
+        clock.now = 100.0 * (i + 1)  # one at a time: no earlier delivery bounds the time
+        link.transfer_done(250 * MIB, exposed_s=250 * MIB * 8 / GBIT - 1.5, chunk_bytes=4 * MIB, prefill_s=1.5)
+    assert link.bandwidth.estimate_bps == pytest.approx(1 * GBIT, rel=0.02)  # not 250 MiB over the exposed 0.6 s
 
 
 def test_the_router_tracks_bytes_in_flight_per_link_until_the_first_token() -> None:

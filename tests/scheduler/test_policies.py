@@ -64,6 +64,13 @@ def test_token_bucket() -> None:
     clock.now = 0.5
     assert bucket.take() == 0
     assert TokenBucket.retry_after(0.2) == 1 and TokenBucket.retry_after(2.1) == 3
+    bucket.spend(5)  # whatever is left: into debt, repaid at the rate
+    assert bucket.available() == pytest.approx(-5)
+    clock.now = 3.0
+    assert bucket.available() == pytest.approx(0)
+    bucket.retune(rate=10, burst=4)  # saved up at the old rate, filled at the new one from now on
+    clock.now = 4.0
+    assert bucket.available() == pytest.approx(4)
 
 
 def test_link_monitor_degrades_and_probes() -> None:
