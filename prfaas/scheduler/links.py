@@ -137,9 +137,9 @@ class Link:
             self._started.popleft()
         return sum(n for _, n in self._started)
 
-    def utilisation(self, extra_bytes: float = 0.0) -> float:
-        """The share of the estimated bandwidth the last window's KV bytes (plus ``extra_bytes``) take."""
-        return utilisation(self.started_bytes() + extra_bytes, WINDOW_S, self.bandwidth.estimate_bps)
+    def utilisation(self) -> float:
+        """The share of the estimated bandwidth the last window's KV bytes take."""
+        return utilisation(self.started_bytes(), WINDOW_S, self.bandwidth.estimate_bps)
 
     def decide(self, inputs: Inputs, chunk_bytes: int, record: bool = True) -> Verdict:
         """The cost model's verdict over this link, subject to its budget (see the module doc). A remote candidate
