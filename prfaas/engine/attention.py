@@ -6,10 +6,17 @@ kernel on the query packed as ``[batch, kv_heads, groups, dim]`` (the path trans
 present). ``install`` makes every one-token query take the packed path, masked or not, so a row's attention is
 computed the same way whether it decodes alone or in a batch; longer queries (prefill) go to transformers' SDPA
 unchanged.
+
+A *folded* pass (``Fold``, passed to the model as the ``prfaas_fold`` keyword with no model cache) packs one
+sequence's prefill chunk and one token of every decode row into one row of queries: the linears read the weights once
+for both. Its attention splits the packed K/V: the chunk's go into the prefill cache and attend causally to it, each
+decode row's go into the decode batch's in-place buffers and attend to its own row there, each with the mask the
+model itself would have built for that part.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,10 +25,26 @@ import torch.nn.functional as F
 _installed = False
 
 
+@dataclass(frozen=True)
+class Fold:
+    """One folded pass: the first ``chunk`` packed tokens are a prefill chunk on ``prefill`` (a model cache), the
+    rest one token per row of ``rows`` (a decode batch's cache); each part's mask as the model builds it."""
+
+    chunk: int
+    prefill: Any
+    prefill_mask: torch.Tensor | None
+    rows: Any
+    rows_mask: torch.Tensor | None
+
+
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fold = kwargs.pop("prfaas_fold", None)
+    if fold is not None:
+        return _folded(module, query, key, value, fold, scaling, **kwargs)
 
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     batch, heads, q_len, dim = query.shape
@@ -34,6 +57,19 @@ def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     packed = query.reshape(batch, heads // groups, groups, dim)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _folded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fold: Fold,
+            scaling: float | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``query`` / ``key`` / ``value`` are ``[1, heads, chunk + rows, dim]``: the chunk's part as a prefill pass
+    computes it, the rows' part as a decode step does (the same functions on the same caches and masks)."""
+    index, n = module.layer_idx, fold.chunk
+    keys, values = fold.prefill.update(key[:, :, :n], value[:, :, :n], index)
+    chunk, _ = decode_attention(module, query[:, :, :n], keys, values, fold.prefill_mask, scaling=scaling, **kwargs)
+    keys, values = fold.rows.update(key[:, :, n:].transpose(0, 2), value[:, :, n:].transpose(0, 2), index)
+    rows, _ = decode_attention(module, query[:, :, n:].transpose(0, 2), keys, values, fold.rows_mask,
+                               scaling=scaling, **kwargs)
+    return torch.cat([chunk, rows.transpose(0, 1)], dim=1), None
 
 
 def install() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, PrefillOutput, RowCallback
+from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, PrefillOutput, Riders, RowCallback
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint, KVState
 from prfaas.messages import SamplingParams
@@ -118,6 +118,12 @@ class EngineBase(ABC):
     @abstractmethod
     def forward_rows(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache: Any) -> torch.Tensor:
         """One decode step for a batch: one token per row at its own position; float32 logits [rows, vocab]."""
+
+    folds = False  # a prefill pass cannot carry decode rows unless an engine says so
+
+    def carry(self, rows: Riders | None) -> None:
+        """Ignored where the engine does not fold decode rows into its prefill passes."""
+        return None
 
     @abstractmethod
     def generate(self, token_ids: Sequence[int], max_new_tokens: int) -> list[int]:

@@ -43,6 +43,7 @@ class DecodeBatch:
         self.rows: list[Row] = []
         self.cache: Any = None
         self.length = 0
+        self.stepped: dict[str, int] | None = None  # the last step's tokens
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -94,19 +95,26 @@ class DecodeBatch:
 
     def step(self) -> dict[str, int]:
         """One forward pass; returns each row's new token (rows stay in the batch until removed)."""
-        device = self.engine.device
-        pads = [self.length - r.length for r in self.rows]
-        mask = torch.ones(len(self.rows), self.length + 1, dtype=torch.long, device=device)
-        for i, pad in enumerate(pads):
-            mask[i, :pad] = 0
-        logits = self.engine.forward_rows([r.token for r in self.rows], [r.length for r in self.rows], mask,
-                                          self.cache)
+        return self.advance(self.engine.forward_rows(*self.inputs(), self.cache))
+
+    def inputs(self) -> tuple[list[int], list[int], torch.Tensor]:
+        """The next step's token and position of each row, and the mask over ``length + 1`` positions (a row's
+        left padding masked)."""
+        mask = torch.ones(len(self.rows), self.length + 1, dtype=torch.long, device=self.engine.device)
+        for i, row in enumerate(self.rows):
+            mask[i, :self.length - row.length] = 0
+        return [r.token for r in self.rows], [r.length for r in self.rows], mask
+
+    def advance(self, logits: torch.Tensor) -> dict[str, int]:
+        """The step's end (``step``'s, or a prefill pass's that carried the rows): each row's token from its row
+        of ``logits``, every row one position on. Also kept as ``stepped`` for whoever let a pass carry the rows."""
         out = {}
         for i, row in enumerate(self.rows):
             token = pick_token(logits[i], row.sampling, row.step)
             out[row.seq_id] = token
             row.token, row.length, row.step = token, row.length + 1, row.step + 1
         self.length += 1
+        self.stepped = out
         return out
 
     def kv_bytes(self) -> int:

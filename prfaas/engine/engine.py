@@ -4,10 +4,16 @@ and decode from it (the ``Engine`` protocol of ``protocol.py``, on ``EngineBase`
 Every forward pass, prefill and decode alike, passes ``position_ids`` and a full attention mask explicitly, as
 ``generate`` does: some hybrids go silently wrong without them, and identical inputs keep greedy decoding through a
 shipped KV bit-identical to a monolithic ``generate``.
+
+On models whose every layer is full attention of the usual shape (``FOLDS``), a prefill pass can carry a decode
+batch's rows (``carry``): one packed row of the chunk's tokens and one token per decode row, so the weights are read
+once for both (``attention.Fold`` splits attention and the caches). The rows' tokens equal a separate step's except
+where the batched kernels' floating-point differences meet a near-tie (CONTRACTS), as for batched decode.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -15,14 +21,20 @@ from typing import Any
 import torch
 
 from prfaas.engine import prefill_batch as batched
+from prfaas.engine.attention import Fold
 from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import restore_layer, snapshot_layer
 from prfaas.engine.hooks import after_each_layer
-from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, RowCallback, pass_tokens
+from prfaas.engine.protocol import ChunkPlan, ChunkResult, LayerCallback, Riders, RowCallback, pass_tokens
 from prfaas.engine.sampling import pick_token
 from prfaas.errors import KVBadFormat
 from prfaas.kv import Fingerprint, KVState
+from prfaas.kv import state as kinds
 from prfaas.messages import SamplingParams
+
+# Model types whose attention takes rotary positions per token, updates the cache once and hands its keyword
+# arguments to the attention function: what a folded pass relies on (each layer full attention is checked too).
+FOLDS = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 class TransformersEngine(EngineBase):
@@ -37,6 +49,7 @@ class TransformersEngine(EngineBase):
         self.is_mla = getattr(self.config, "kv_lora_rank", None) is not None
         self.logits_to_keep = "logits_to_keep" in _forward_params(model)  # the forward can skip all but last logits
         self._cache_cls = self._probe_cache_class()
+        self._riders: Riders | None = None
 
     @property
     def num_layers(self) -> int:
@@ -168,7 +181,20 @@ class TransformersEngine(EngineBase):
             out = self.model(**kwargs)
         return out.logits[:, -1].float()
 
+    @functools.cached_property
+    def folds(self) -> bool:  # type: ignore[override]
+        from transformers import DynamicCache
+
+        return (self.config.model_type in FOLDS and self._cache_cls is DynamicCache and not self.is_mla
+                and all(entry["kind"] == kinds.FULL_ATTENTION for entry in self.layer_table))
+
+    def carry(self, rows: Riders | None) -> None:
+        self._riders = rows if rows is not None and self.folds else None
+
     def _forward(self, ids: list[int], cache: Any, start: int) -> torch.Tensor:
+        riders, self._riders = self._riders, None
+        if riders is not None:
+            return self._folded(ids, cache, start, riders)
         n = len(ids)
         kwargs: dict[str, Any] = {
             "input_ids": torch.tensor([ids], device=self.device),
@@ -181,6 +207,33 @@ class TransformersEngine(EngineBase):
         with torch.inference_mode():
             out = self.model(**kwargs)
         return out.logits[0, -1].float()
+
+    def _folded(self, ids: list[int], cache: Any, start: int, riders: Riders) -> torch.Tensor:
+        """``_forward`` of a prefill chunk that also steps ``riders``: one packed row, each part's mask made by the
+        model's own mask function on its own cache, as its separate pass would."""
+        from transformers.masking_utils import create_causal_mask
+
+        tokens, positions, mask = riders.inputs()
+        n, rows = len(ids), len(tokens)
+        shape = next(self.model.parameters())
+
+        def part_mask(batch: int, width: int, attention: torch.Tensor, part: Any, at: torch.Tensor) -> Any:
+            return create_causal_mask(config=self.config, inputs_embeds=shape.new_empty(batch, width, 1),
+                                      attention_mask=attention, cache=part, position_ids=at)
+
+        at = torch.tensor([[*range(start, start + n), *positions]], device=self.device)
+        with torch.inference_mode():
+            fold = Fold(chunk=n, prefill=cache,
+                        prefill_mask=part_mask(1, n, torch.ones(1, start + n, dtype=torch.long, device=self.device),
+                                               cache, at[:, :n]),
+                        rows=riders.cache, rows_mask=part_mask(rows, 1, mask, riders.cache, at[0, n:, None]))
+            kwargs: dict[str, Any] = {"input_ids": torch.tensor([[*ids, *tokens]], device=self.device),
+                                      "position_ids": at, "use_cache": False, "prfaas_fold": fold}
+            if self.logits_to_keep:
+                kwargs["logits_to_keep"] = rows + 1
+            logits = self.model(**kwargs).logits[0, -(rows + 1):].float()
+        riders.advance(logits[1:])
+        return logits[0]
 
     def _layer_hooks(self, cache: Any, on_layer: LayerCallback) -> list[Any]:
         def ran(index: int) -> None:

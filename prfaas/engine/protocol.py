@@ -47,6 +47,18 @@ class PrefillOutput:
     seconds: float
 
 
+class Riders(Protocol):
+    """Decode rows a prefill pass may carry (``DecodeBatch``): their next step's inputs, and their step's end."""
+
+    cache: Any  # the rows' model cache
+
+    def inputs(self) -> tuple[list[int], list[int], torch.Tensor]:
+        """Each row's next token and position, and the attention mask over every row's positions."""
+
+    def advance(self, logits: torch.Tensor) -> dict[str, int]:
+        """The step's end: a token per row from ``logits`` (float32, a row each), the rows moved on."""
+
+
 class EngineInfo(Protocol):
     """A loaded model's identity, its tokenizer and the size of its KV: what an instance advertises
     (``Instance.advertise``) and what the decode role needs to bound and tokenise prompts."""
@@ -116,3 +128,11 @@ class Engine(EngineInfo, Protocol):
 
     def forward_rows(self, tokens: list[int], positions: list[int], mask: torch.Tensor, cache: Any) -> torch.Tensor:
         """One decode step for a batch: one token per row at its own position; float32 logits [rows, vocab]."""
+
+    @property
+    def folds(self) -> bool:
+        """Whether a prefill pass can carry decode rows (``carry``)."""
+
+    def carry(self, rows: Riders | None) -> None:
+        """The next prefill pass also steps ``rows`` once (it calls ``rows.advance``), where ``folds``; ``None``
+        drops rows that no pass took. The decode instance's engine loop sets it around one chunk of a prefill."""

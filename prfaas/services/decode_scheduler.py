@@ -2,9 +2,10 @@
 
 Each iteration: admit waiting sequences while the batch has room (a restore from transferred KV, or one chunk of a
 local prefill, so a long prompt never blocks running sequences for more than one chunk), then one decode step over
-every running sequence. Tokens go back to each request's asyncio queue; a request that is cancelled (client gone,
-stop string seen) leaves the batch at the next step and frees its slot. With nothing to do the thread sleeps on a
-queue (no busy-waiting).
+every running sequence. Where the engine ``folds``, a chunk's forward pass carries the running sequences' step (one
+pass reads the weights once for both) and the separate step is skipped. Tokens go back to each request's asyncio
+queue; a request that is cancelled (client gone, stop string seen) leaves the batch at the next step and frees its
+slot. With nothing to do the thread sleeps on a queue (no busy-waiting).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class DecodeScheduler:
     else runs on its own thread, which owns the ``DecodeBatch``."""
 
     def __init__(self, engine: Engine, max_batch: int, idle: Callable[[], None] | None = None) -> None:
+        self.engine = engine
         self.batch = DecodeBatch(engine, max_batch)
         self._idle = idle  # run on the engine thread while nothing is running or waiting (a prefix cache's sweep)
         self._waiting: queue.Queue[Sequence | None] = queue.Queue()
@@ -82,9 +84,12 @@ class DecodeScheduler:
 
     def _run(self) -> None:
         while True:
+            self.batch.stepped = None
             if not self._admit():
                 return
-            if len(self.batch):
+            if self.batch.stepped is not None:  # a prefill pass carried the step
+                self._emit(self.batch.stepped)
+            elif len(self.batch):
                 self._step()
 
     def _admit(self) -> bool:
@@ -106,6 +111,9 @@ class DecodeScheduler:
         return True
 
     def _prepare_one_chunk(self, seq: Sequence, work: Iterator[Prepared | None]) -> None:
+        if self.engine.folds:
+            self._drop_cancelled()
+            self.engine.carry(self.batch if len(self.batch) else None)
         try:
             result = next(work)
         except Exception as exc:  # the request fails alone; the loop and the batch go on
@@ -114,6 +122,8 @@ class DecodeScheduler:
             if not isinstance(exc, PrfaasError):
                 log.exception("preparing %s failed", seq.seq_id)
             return
+        finally:
+            self.engine.carry(None)  # a chunk without a forward pass (a restore) left the rows to their own step
         if result is None:
             if seq.cancelled.is_set():
                 self._preparing = None
@@ -129,13 +139,18 @@ class DecodeScheduler:
         self.batch.add(Row(seq.seq_id, length, first, seq.sampling, seq.step + 1), cache)
         self._running[seq.seq_id] = seq
 
-    def _step(self) -> None:
+    def _drop_cancelled(self) -> None:
         for seq in list(self._running.values()):
             if seq.cancelled.is_set():
                 self._finish(seq, "cancelled")
-        if not len(self.batch):
-            return
-        for seq_id, token in self.batch.step().items():
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        if len(self.batch):
+            self._emit(self.batch.step())
+
+    def _emit(self, tokens: dict[str, int]) -> None:
+        for seq_id, token in tokens.items():
             seq = self._running[seq_id]
             seq.produced += 1
             seq.emit("token", token, {})

@@ -80,3 +80,60 @@ def test_buffers_grow_past_their_headroom_and_windows_slide(engines, name: str) 
         got = outs[i]
         if got != ref[: len(got)]:
             assert first_divergence_is_a_near_tie(engine, prompts[i], got, ref), (i, got, ref)
+
+
+def test_prefill_passes_carry_the_running_rows_exactly(engines) -> None:
+    """Every newcomer's chunked prefill carries the running rows' step (``carry``): each pass moves every running
+    row on by one token, no separate step runs while a prompt prefills, and every sequence's tokens still equal its
+    monolithic run (the near-tie rule)."""
+    engine = engines("tiny-llama")
+    assert engine.folds
+    prompts = [random_prompt(n, seed=40 + i) for i, n in enumerate((37, 300, 5, 120, 64))]
+    refs = [engine.generate(p, NEW) for p in prompts]
+    batch, outs, carried = DecodeBatch(engine, max_batch=4), {}, 0
+
+    def take(tokens: dict[str, int]) -> None:
+        for seq_id, token in tokens.items():
+            outs[int(seq_id)].append(token)
+            if len(outs[int(seq_id)]) >= NEW or token in engine.eos_token_ids:
+                batch.remove(seq_id)
+
+    for i, prompt in enumerate(prompts):
+        work = engine.prefill_chunks(prompt, 32)
+        while True:
+            before = {row.seq_id: row.length for row in batch.rows}
+            batch.stepped = None
+            engine.carry(batch if len(batch) else None)
+            result = next(work)
+            if before:
+                assert batch.stepped is not None and set(batch.stepped) == set(before)
+                assert all(row.length == before[row.seq_id] + 1 for row in batch.rows)
+                carried += 1
+                take(batch.stepped)
+            if result is not None:
+                break
+        cache, token, _ = result
+        outs[i] = [token]
+        batch.add(Row(str(i), len(prompt), token, None, 1), cache)
+    while len(batch):
+        take(batch.step())
+    assert carried >= 10  # the 300-token prompt alone is ten passes with rows running
+    for i, ref in enumerate(refs):
+        got = outs[i]
+        if got != ref[: len(got)]:
+            assert first_divergence_is_a_near_tie(engine, prompts[i], got, ref), (i, got, ref)
+
+
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3-next", "tiny-bamba"])
+def test_engines_with_other_layers_than_full_attention_do_not_carry_rows(engines, name: str) -> None:
+    """Sliding windows and recurrent states take the separate step: ``carry`` is ignored, the prefill's tokens and
+    the rows are what they would be without it."""
+    engine = engines(name)
+    assert not engine.folds
+    batch = DecodeBatch(engine, max_batch=2)
+    cache, token, _ = engine.prefill_cache(random_prompt(20, seed=1))
+    batch.add(Row("0", 20, token, None, 1), cache)
+    engine.carry(batch)
+    _, first, _ = engine.prefill_cache(random_prompt(30, seed=2))
+    assert batch.stepped is None and batch.rows[0].length == 20
+    assert first == engine.generate(random_prompt(30, seed=2), 1)[0]
