@@ -58,6 +58,12 @@ SERVING = View("TTFT against the in-process engine (ms, medians and quartiles)",
     "e2e_ms"))
 SOURCES: dict[str, Source] = {
     "engine.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py"),
+    "engine_profile.json": Source("benchmarks/engine_profile.py", (View(
+        "a step's time, linears plain and packed (ms: medians over the timed steps; the split from one profiled "
+        "series)", "rows", _cols("variant", "work", "rows", "samples", "step_ms", "step_ms_q1", "step_ms_q3",
+                                 "step_ms_min", "step_ms_max", "vs_plain", "tokens_per_s", "prefill_tokens_per_s",
+                                 "linear_ms", "attention_ms", "other_ops_ms", "outside_ops_ms", "profiled_ms")),),
+        PY + "benchmarks/engine_profile.py"),
     "kv_codecs.json": Source("benchmarks/kv_codecs.py", (
         View("blob bytes per request", "sizes", _cols("model", "seq_len", "fixed_bytes", "none", "bf16", "fp8",
                                                       "int8", "int4")),
@@ -174,7 +180,9 @@ SOURCES: dict[str, Source] = {
 }
 
 TITLES = {
-    "engine.json": "decode throughput, prfaas against vLLM", "kv_codecs.json": "KV size, codec speed and quality",
+    "engine.json": "decode throughput, prfaas against vLLM",
+    "engine_profile.json": "where a decode step's time goes, linears plain and packed",
+    "kv_codecs.json": "KV size, codec speed and quality",
     "serving.json": "TTFT through a deployment against the in-process engine",
     "serving-remote.json": "TTFT with remote prefill against the in-process engine",
     "transport.json": "the KV data plane",

@@ -14,6 +14,7 @@ from prfaas.engine import attention, models
 from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import TransformersEngine
+from prfaas.engine.packed import pack
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint
 from prfaas.kv.fingerprint import tokenizer_hash
@@ -21,8 +22,10 @@ from prfaas.kv.fingerprint import tokenizer_hash
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None) -> EngineBase:
-    """Load a model for prefill and decode on the CPU (or the default torch device)."""
+def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None,
+                packed: bool = True) -> EngineBase:
+    """Load a model for prefill and decode on the CPU (or the default torch device); ``packed``: its linear layers
+    on weights prepacked for oneDNN (``packed.py``; off only to measure what packing gains)."""
     if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
         from prfaas.engine.synthetic import load_synthetic
 
@@ -37,7 +40,10 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     attention.install()
     model, tokenizer, name, root = _load(spec, DTYPES[dtype])
     model.eval()
-    return TransformersEngine(model, tokenizer, name, _fingerprint(model, tokenizer, name, dtype), root=str(root))
+    fingerprint = _fingerprint(model, tokenizer, name, dtype)  # over the weights as loaded, before packing
+    if packed:
+        pack(model)
+    return TransformersEngine(model, tokenizer, name, fingerprint, root=str(root))
 
 
 def native_dtype() -> str:
