@@ -1,8 +1,8 @@
 """Linear layers whose weights are packed once, at load, into oneDNN's blocked layout (CPU only).
 
 A plain ``nn.Linear`` hands oneDNN (bfloat16) or MKL (float32) a row-major weight on every call; a decode step reads
-every weight of the model once per step, and on this project's CPUs the same matmuls ran 1.4–2.5× faster over weights
-reordered beforehand into the layout oneDNN's kernels read (``benchmarks/engine_profile.py`` measures both per step).
+every weight of the model once, and the same matmuls run faster over weights reordered beforehand into the layout
+oneDNN's kernels read (``benchmarks/engine_profile.py`` times a step both ways).
 ``pack`` swaps every ``nn.Linear`` of a CPU model for a ``PackedLinear`` holding that reordered weight — the same
 pair of ops (``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``) torch's own compiler uses when it
 freezes a CPU graph. The swap happens after the weights' hash is taken, so fingerprints do not change; in bfloat16 the
