@@ -49,6 +49,7 @@ def measure(
     seq_len: list[str] = typer.Option(None, "--seq-len", help="prompt lengths (repeat or 128,512)"),
     codec: list[str] = typer.Option(None, "--codec", help="codecs to size (repeat); default none"),
     dtype: str = typer.Option("float32", help="engine dtype"),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N | auto (the GPU where torch sees one)"),
     repeats: int = typer.Option(1, help="prefills per length; the fastest counts"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
@@ -60,7 +61,7 @@ def measure(
     from prfaas.units import parse_lengths
 
     out = run_measure(model=model, lengths=parse_lengths(seq_len or ["128", "512"]),
-                      codecs=codec or ["none"], dtype=dtype, repeats=repeats)
+                      codecs=codec or ["none"], dtype=dtype, repeats=repeats, device=device)
     if as_json:
         typer.echo(json.dumps(out))
     else:

@@ -28,6 +28,8 @@ HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU or GPU "
                      "computes it natively, else float32); every role of a deployment needs the same")
+DEVICE = typer.Option("cpu", "--device", help="where the embedded engine runs: cpu | cuda | cuda:N | auto (the GPU "
+                      "where torch sees one); KV moves between a GPU and a CPU instance of the same dtype")
 ENGINE = typer.Option("prfaas", "--engine", help="prfaas (the embedded engine) | vllm (a vLLM server as this "
                       "instance's engine, from .venv-vllm: `make vllm`; docs/vllm.md)")
 
@@ -58,13 +60,14 @@ def router(host: str = HOST, port: int = typer.Option(8000, "--port", help="the 
 
 def _instance(role: str, router_urls: list[str], instance_id: str, datacenter: str, model: str, dtype: str, host: str,
               port: int, kv_port: int, config: str | None, offload_threshold: int | None,
-              advertise_kv: str = "", engine: str = "prfaas") -> None:
+              advertise_kv: str = "", engine: str = "prfaas", device: str = "cpu") -> None:
     from prfaas.services.instance import InstanceOptions
     from prfaas.services.roles import run_role
 
     options = InstanceOptions(role=role, instance_id=instance_id or f"{role}-{port or 'auto'}",
                               router_url=router_urls[0], routers=tuple(router_urls[1:]), host=host, port=port,
-                              kv_port=kv_port, model=model, dtype=dtype, advertise_kv=advertise_kv, engine=engine)
+                              kv_port=kv_port, model=model, dtype=dtype, advertise_kv=advertise_kv, engine=engine,
+                              device=device)
     run_role(options, _config(config, offload_threshold, datacenter or None), _build)
 
 
@@ -108,9 +111,9 @@ def _role_command(role: str, default_dc: str, help_text: str) -> None:
                 advertise_kv: str = typer.Option("", "--advertise-kv", help="HOST:PORT other roles dial for the KV "
                                                  "data port, when it is reached through NAT or a load balancer"),
                 config: str | None = CONFIG, offload_threshold: int | None = THRESHOLD,
-                engine: str = ENGINE) -> None:
+                engine: str = ENGINE, device: str = DEVICE) -> None:
         _instance(role, router_url, instance_id, datacenter, model, dtype, host, port, kv_port, config,
-                  offload_threshold, advertise_kv, engine)
+                  offload_threshold, advertise_kv, engine, device)
 
     command.__doc__ = help_text
     serve_app.command(name=role)(command)
@@ -126,7 +129,7 @@ def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="rel
        prefill: int = typer.Option(1, "--prefill", min=1, help="prefill instances"),
        decode: int = typer.Option(1, "--decode", min=1, help="decode instances"),
        offload_threshold: int | None = THRESHOLD,
-       config: str | None = CONFIG, dtype: str = DTYPE, engine: str = ENGINE,
+       config: str | None = CONFIG, dtype: str = DTYPE, engine: str = ENGINE, device: str = DEVICE,
        lab: bool = typer.Option(False, "--lab", help="prefill in dc-a; router, relay, decode in dc-b "
                                 "(`prfaas lab up` first)"),
        lab_index: int | None = typer.Option(None, "--lab-index", min=0, help="with --lab: the numbered lab of "
@@ -145,4 +148,5 @@ def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="rel
     load_config(config)  # fail fast on a bad file, before any process starts
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
                      offload_threshold=offload_threshold, config=config, dtype=dtype, engine=engine,
-                     lab=lab, lab_index=lab_index, tls=tls, max_restarts=max_restarts, clusters=clusters))
+                     device=device, lab=lab, lab_index=lab_index, tls=tls, max_restarts=max_restarts,
+                     clusters=clusters))

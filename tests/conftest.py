@@ -1,7 +1,9 @@
-"""Shared fixtures: engines are loaded once per test session (loading is the slow part)."""
+"""Shared fixtures: engines are loaded once per test session (loading is the slow part), on the device
+``PRFAAS_TEST_DEVICE`` names (default cpu; ``cuda`` runs the engine tests on a GPU)."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +17,7 @@ def get_engine(name: str) -> Any:
     from prfaas.engine import load_engine
 
     if name not in _ENGINES:
-        _ENGINES[name] = load_engine(name)
+        _ENGINES[name] = load_engine(name, device=os.environ.get("PRFAAS_TEST_DEVICE", "cpu"))
     return _ENGINES[name]
 
 

@@ -64,6 +64,7 @@ SOURCES: dict[str, Source] = {
                                  "step_ms_min", "step_ms_max", "vs_plain", "tokens_per_s", "prefill_tokens_per_s",
                                  "linear_ms", "attention_ms", "other_ops_ms", "outside_ops_ms", "profiled_ms")),),
         PY + "benchmarks/engine_profile.py"),
+    "cuda_path.json": Source("benchmarks/cuda_path.py"),
     "kv_codecs.json": Source("benchmarks/kv_codecs.py", (
         View("blob bytes per request", "sizes", _cols("model", "seq_len", "fixed_bytes", "none", "bf16", "fp8",
                                                       "int8", "int4")),
@@ -182,6 +183,7 @@ SOURCES: dict[str, Source] = {
 TITLES = {
     "engine.json": "decode throughput, prfaas against vLLM",
     "engine_profile.json": "where a decode step's time goes, linears plain and packed",
+    "cuda_path.json": "the engine and the vLLM connector's block copies on a GPU",
     "kv_codecs.json": "KV size, codec speed and quality",
     "serving.json": "TTFT through a deployment against the in-process engine",
     "serving-remote.json": "TTFT with remote prefill against the in-process engine",

@@ -1,4 +1,4 @@
-"""Decode attention for grouped-query models on the CPU.
+"""Decode attention for grouped-query models on the CPU, and the attention kernels a GPU may use.
 
 transformers hands a one-token query with no mask (every row of a batch at the same length) to
 ``scaled_dot_product_attention(..., enable_gqa=True)``; the CPU flash kernel is then about 5× slower than the same
@@ -12,6 +12,11 @@ sequence's prefill chunk and one token of every decode row into one row of queri
 for both. Its attention splits the packed K/V: the chunk's go into the prefill cache and attend causally to it, each
 decode row's go into the decode batch's in-place buffers and attend to its own row there, each with the mask the
 model itself would have built for that part.
+
+On a GPU every call runs without cuDNN's attention kernel: given a mask, as every decode step and folded pass is,
+PyTorch picks it, and it spent milliseconds of host time per call building a plan for each new key length — more
+than the rest of a small model's step (docs/engine.md, "On a GPU"). The memory-efficient and flash kernels (math as a
+last resort) take the same inputs.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _installed = False
+_GPU_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,15 @@ class Fold:
 def decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    if query.is_cuda:
+        with sdpa_kernel(_GPU_KERNELS):
+            return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+               **kwargs: Any) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     fold = kwargs.pop("prfaas_fold", None)
@@ -65,10 +81,10 @@ def _folded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, val
     computes it, the rows' part as a decode step does (the same functions on the same caches and masks)."""
     index, n = module.layer_idx, fold.chunk
     keys, values = fold.prefill.update(key[:, :, :n], value[:, :, :n], index)
-    chunk, _ = decode_attention(module, query[:, :, :n], keys, values, fold.prefill_mask, scaling=scaling, **kwargs)
+    chunk, _ = _attention(module, query[:, :, :n], keys, values, fold.prefill_mask, 0.0, scaling, None, **kwargs)
     keys, values = fold.rows.update(key[:, :, n:].transpose(0, 2), value[:, :, n:].transpose(0, 2), index)
-    rows, _ = decode_attention(module, query[:, :, n:].transpose(0, 2), keys, values, fold.rows_mask,
-                               scaling=scaling, **kwargs)
+    rows, _ = _attention(module, query[:, :, n:].transpose(0, 2), keys, values, fold.rows_mask, 0.0, scaling, None,
+                         **kwargs)
     return torch.cat([chunk, rows.transpose(0, 1)], dim=1), None
 
 

@@ -23,15 +23,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None,
-                packed: bool = True) -> EngineBase:
-    """Load a model for prefill and decode on the CPU (or the default torch device); ``packed``: its linear layers
-    on weights prepacked for oneDNN (``packed.py``; off only to measure what packing gains)."""
+                packed: bool = True, device: str = "cpu") -> EngineBase:
+    """Load a model for prefill and decode on ``device`` (``cpu``, ``cuda``, ``cuda:N``, or ``auto``: the GPU where
+    torch sees one); ``packed``: on the CPU, its linear layers on weights prepacked for oneDNN (``packed.py``; off
+    only to measure what packing gains). The fingerprint does not name the device: KV made on a GPU restores on a
+    CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for bit)."""
     if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
         from prfaas.engine.synthetic import load_synthetic
 
         return load_synthetic(spec)
+    target = resolve_device(device)
     if dtype == "auto":
-        dtype = native_dtype()
+        dtype = native_dtype(target.type)
     if dtype not in DTYPES:
         raise InvalidRequest(f"dtype must be one of {', '.join(DTYPES)} or auto, not {dtype!r}")
     if threads:
@@ -41,16 +44,39 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     model, tokenizer, name, root = _load(spec, DTYPES[dtype])
     model.eval()
     fingerprint = _fingerprint(model, tokenizer, name, dtype)  # over the weights as loaded, before packing
-    if packed:
+    if target.type != "cpu":
+        model.to(target)
+    elif packed:
         pack(model)
     return TransformersEngine(model, tokenizer, name, fingerprint, root=str(root))
 
 
-def native_dtype() -> str:
-    """What ``auto`` means: ``bfloat16`` on a GPU or where the CPU multiplies it natively (oneDNN's bf16 path: AVX-512
-    BF16, AMX, Arm BF16), else ``float32``. Without that support bfloat16 is emulated: on an AVX2-only CPU a matmul
-    ran at 1.4 GFLOP/s in bfloat16 against 67.8 in float32 (``benchmarks/matmul_dtype.py``)."""
-    if torch.cuda.is_available():
+def resolve_device(device: str) -> torch.device:
+    """``device`` as torch names it; ``auto`` is the first GPU where torch sees one, else the CPU. ``InvalidRequest``
+    for a name torch does not know or a GPU this process cannot use."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidRequest(f"device must be cpu, cuda, cuda:N or auto, not {device!r}") from exc
+    if target.type == "cpu":
+        return target
+    if target.type != "cuda":
+        raise InvalidRequest(f"device must be cpu, cuda, cuda:N or auto, not {device!r}")
+    if not torch.cuda.is_available():
+        raise InvalidRequest(f"device {device!r}: this torch ({torch.__version__}) sees no CUDA GPU")
+    if target.index is not None and target.index >= torch.cuda.device_count():
+        raise InvalidRequest(f"device {device!r}: torch sees {torch.cuda.device_count()} GPU(s)")
+    return target
+
+
+def native_dtype(device: str = "cpu") -> str:
+    """What ``auto`` means on ``device`` (a torch device type): ``bfloat16`` on a GPU or where the CPU multiplies it
+    natively (oneDNN's bf16 path: AVX-512 BF16, AMX, Arm BF16), else ``float32``. Without that support bfloat16 is
+    emulated: on an AVX2-only CPU a matmul ran at 1.4 GFLOP/s in bfloat16 against 67.8 in float32
+    (``benchmarks/matmul_dtype.py``)."""
+    if device != "cpu":
         return "bfloat16"
     native = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return "bfloat16" if native else "float32"

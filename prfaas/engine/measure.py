@@ -38,15 +38,15 @@ def mla_layout_of(kv: Any, config: Any) -> str:
     return "latent"
 
 
-def _hardware() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+def _hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"cpu {platform.processor() or platform.machine()} × {torch.get_num_threads()} threads"
 
 
 def run_measure(*, model: str, lengths: list[int], codecs: list[str], dtype: str = "float32",
-                repeats: int = 1) -> dict[str, Any]:
-    engine = load_engine(model, dtype=dtype)
+                repeats: int = 1, device: str = "cpu") -> dict[str, Any]:
+    engine = load_engine(model, dtype=dtype, device=device)
     vocab = int(engine.config.vocab_size)
     prefill_rows, kv_rows = [], []
     plan = None
@@ -70,7 +70,7 @@ def run_measure(*, model: str, lengths: list[int], codecs: list[str], dtype: str
                 row.update(tensor_bytes=out.kv.nbytes, plan_bytes=plan.kv_bytes(n),
                            plan_matches=out.kv.nbytes == plan.kv_bytes(n))
             kv_rows.append(row)
-    return {"model": model, "dtype": dtype, "hardware": _hardware(), "prefill": prefill_rows, "decode": [],
+    return {"model": model, "dtype": dtype, "hardware": _hardware(engine.device), "prefill": prefill_rows, "decode": [],
             "kv": kv_rows, "mla_layout": plan.mla_layout if plan else "latent",
             "notes": ["bytes = whole blob as shipped; tensor_bytes = KVState.nbytes (codec none)",
                       "prefill seconds: fastest of --repeats runs, one sequence, no batching"]}

@@ -40,11 +40,11 @@ def read_frame(stream: IO[bytes]) -> Any | None:
     return msgpack.unpackb(data, raw=False)
 
 
-def serve(model: str, dtype: str, inp: IO[bytes], out: IO[bytes]) -> None:
+def serve(model: str, dtype: str, inp: IO[bytes], out: IO[bytes], device: str = "cpu") -> None:
     from prfaas.engine import load_engine
     from prfaas.kv import decode_state
 
-    engine = load_engine(model, dtype=dtype)
+    engine = load_engine(model, dtype=dtype, device=device)
     write_frame(out, {"ready": engine.fingerprint.to_wire()})
     while (request := read_frame(inp)) is not None:
         try:
@@ -62,11 +62,12 @@ def serve(model: str, dtype: str, inp: IO[bytes], out: IO[bytes]) -> None:
 class DecodeWorker:
     """Client side: starts ``python -m prfaas.engine.worker`` and talks to it. Use as a context manager."""
 
-    def __init__(self, model: str, dtype: str = "float32") -> None:
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu") -> None:
         import subprocess
 
         self.proc = subprocess.Popen([sys.executable, "-m", "prfaas.engine.worker", "--model", model,
-                                      "--dtype", dtype], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                      "--dtype", dtype, "--device", device],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._in, self._out = self.proc.stdin, self.proc.stdout
         ready = read_frame(self._out)
@@ -108,8 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    serve(args.model, args.dtype, sys.stdin.buffer, sys.stdout.buffer)
+    serve(args.model, args.dtype, sys.stdin.buffer, sys.stdout.buffer, args.device)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ class InstanceOptions:
     advertise_kv: str = ""  # HOST:PORT peers dial for the KV data port (NAT, load balancer); "" = the bound one
     dtype: str = "float32"
     engine: str = "prfaas"  # prfaas (the embedded engine) | vllm (a child vLLM server: prfaas.vllm.serving)
+    device: str = "cpu"  # where the embedded engine runs (cpu, cuda, cuda:N, auto)
     routers: tuple[str, ...] = ()  # more routers to register with: a prefill pool serving several client clusters
 
     def router_urls(self) -> tuple[str, ...]:

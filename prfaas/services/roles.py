@@ -164,7 +164,7 @@ def build(options: InstanceOptions, config: Config) -> RoleServer:
     from prfaas.services.decode import DecodeService
     from prfaas.services.prefill import PrefillService
 
-    engine = load_engine(options.model, dtype=options.dtype)
+    engine = load_engine(options.model, dtype=options.dtype, device=options.device)
     _ = engine.layer_table  # computed once, before the first request needs it
     core = Instance(options, config, with_store=options.role == "prefill")
     core.advertise(engine)

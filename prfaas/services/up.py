@@ -58,6 +58,7 @@ class UpOptions:
     config: str | None = None
     dtype: str = "float32"
     engine: str = "prfaas"  # of the prefill and decode instances: prfaas | vllm (prfaas.vllm.serving)
+    device: str = "cpu"  # of the embedded engine's instances: cpu | cuda | cuda:N | auto
     startup_timeout_s: float = 600.0
     log_file: str | None = None  # children's output goes here instead of this terminal
     lab: bool = False  # place each role in its datacenter of the lab (`prfaas lab up` first)
@@ -156,7 +157,8 @@ class Deployment:
             self._spawn(["decode", "--instance-id", name, "--datacenter", dc, *self._model()], at, cluster=i)
 
     def _model(self) -> list[str]:
-        return ["--model", self.options.model, "--dtype", self.options.dtype, "--engine", self.options.engine]
+        o = self.options
+        return ["--model", o.model, "--dtype", o.dtype, "--engine", o.engine, "--device", o.device]
 
     def _spawn(self, args: list[str], routers: list[str] | None = None, cluster: int = 0) -> None:
         """One role's process (``routers``: its ``--router`` flags; a router has none). ``cluster``: where

@@ -125,6 +125,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         self.consumer = bool(self._kv_transfer_config.is_kv_consumer)
         self.plane: DataPlane | None = None
         self.block_bytes = layout.block_bytes(kv_cache_config, self.groups)
+        self.num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
         if role == KVConnectorRole.WORKER:
             self._init_worker()
         else:
@@ -311,7 +312,7 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
         # layers, copied once the step's forward pass is over.
         names = sorted((name for name in kv_caches if name in self._group_of),
                        key=lambda name: (self._group_of[name].is_state, layout.forward_order(name)))
-        self._caches = {name: kv_caches[name] for name in names}
+        self._caches = {name: layout.scheduler_blocks(kv_caches[name], self.num_blocks) for name in names}
         device = next(iter(self._caches.values())).device.type if self._caches else "cpu"
         self._hold = self.settings.holds_layers(device)
         self._index = {name: i for i, name in enumerate(self._caches)}
@@ -332,11 +333,12 @@ class PrfaasConnector(KVConnectorBase_V1, SupportsHMA):
     def _add_layer(self, spec: SaveSpec, layer_name: str, kv_layer: Any) -> None:
         assert self.plane is not None
         group = self._group_of[layer_name]
-        blocks = layout.gather(kv_layer, spec.block_ids[group.index])
+        blocks, ready = layout.gather(layout.scheduler_blocks(kv_layer, self.num_blocks),
+                                      spec.block_ids[group.index])
         entry = self._table[self._index[layer_name]]
         attrs = {"layer": layer_name, "first_block": spec.first[group.index]}
         self.plane.add_layer(spec.kv_id, LayerState(tensors={layout.TENSOR: blocks}, attrs=attrs, **entry),
-                             hold=self._hold)
+                             hold=self._hold, ready=ready)
 
     def _begin(self, spec: SaveSpec) -> None:
         if spec.kv_id in self._begun or self.plane is None:

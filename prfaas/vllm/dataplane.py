@@ -56,6 +56,7 @@ START_S = 10.0  # the loop thread and the direct-mode server must be up within t
 CLOSE_S = 5.0
 SWEEP_S = 1.0
 T = TypeVar("T")
+Held = tuple[LayerState, Callable[[], None] | None]  # a saved layer and what to call before reading its bytes
 
 
 def _log_retry(kv_id: str, reader: BlobReader, attempt: int, exc: PrfaasError) -> None:
@@ -80,10 +81,11 @@ class _Outgoing:
         self.plane, self.kv_id, self.writer = plane, kv_id, writer
         self.sink: FrameSink | None = sink  # None once the blob failed: the rest of it is dropped
 
-    def add(self, layer: LayerState) -> None:
-        """Encoder thread: encode ``layer`` and hand its frames over (may wait while a push is full)."""
+    def add(self, layer: LayerState, ready: Callable[[], None] | None = None) -> None:
+        """Encoder thread: encode ``layer`` and hand its frames over (may wait while a push is full); ``ready``
+        first, where the layer's bytes are still on their way to host memory (a GPU's queued copy)."""
         if self.sink is not None:
-            self._guard(lambda sink: sink.hand_over(self.writer.add_layer(layer)), self.sink)
+            self._guard(lambda sink: sink.hand_over(self.writer.add_layer(_ready(layer, ready))), self.sink)
 
     def close(self) -> None:
         """Encoder thread: the trailer; the sink's outcome is awaited on the loop (``_finish``)."""
@@ -106,6 +108,12 @@ class _Outgoing:
             await _abort(sink)
         finally:
             self.plane.report_tcp()
+
+
+def _ready(layer: LayerState, ready: Callable[[], None] | None) -> LayerState:
+    if ready is not None:
+        ready()
+    return layer
 
 
 async def _abort(sink: FrameSink) -> None:
@@ -132,7 +140,7 @@ class DataPlane:
         self._outgoing: dict[str, _Outgoing] = {}  # the encoder thread's
         # the worker thread's: when each blob was begun, and the layers it holds back (``add_layer``'s ``hold``)
         self._begun_at: dict[str, float] = {}
-        self._held: dict[str, list[LayerState]] = {}
+        self._held: dict[str, list[Held]] = {}
         self._encoding: queue.Queue[Callable[[], None] | None] = queue.Queue(ENCODE_QUEUE)
         self._encoder = threading.Thread(target=self._encode, name=f"{name}-encode", daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()  # the loop keeps only weak references to tasks
@@ -205,15 +213,18 @@ class DataPlane:
         self._begun_at[header.kv_id] = time.monotonic()
         self._encoding.put(functools.partial(self._begin, header, relay))
 
-    def add_layer(self, kv_id: str, layer: LayerState, hold: bool = False) -> None:
-        """Queue ``layer`` for the encoder. ``hold``: keep it until ``finish`` instead, while the blob is younger
-        than half of ``kv_transfer_timeout_s`` — a consumer's pull, waiting on the begun blob, takes a longer
-        silence for a stall — and from then on queue the held layers and each next one at once."""
+    def add_layer(self, kv_id: str, layer: LayerState, hold: bool = False,
+                  ready: Callable[[], None] | None = None) -> None:
+        """Queue ``layer`` for the encoder, which calls ``ready`` before it reads the layer's bytes (a GPU's copy
+        into host memory, queued behind the forward pass: ``layout.gather``). ``hold``: keep it until ``finish``
+        instead, while the blob is younger than half of ``kv_transfer_timeout_s`` — a consumer's pull, waiting on
+        the begun blob, takes a longer silence for a stall — and from then on queue the held layers and each next
+        one at once."""
         held = self._held.setdefault(kv_id, [])
         if hold and time.monotonic() - self._begun_at.get(kv_id, 0.0) < self.settings.kv_transfer_timeout_s / 2:
-            held.append(layer)
+            held.append((layer, ready))
             return
-        for each in [*held, layer]:
+        for each in [*held, (layer, ready)]:
             self._encoding.put(functools.partial(self._add, kv_id, each))
         held.clear()
 
@@ -236,14 +247,14 @@ class DataPlane:
             return
         self._outgoing[header.kv_id] = _Outgoing(self, header.kv_id, writer, sink)
 
-    def _add(self, kv_id: str, layer: LayerState) -> None:
+    def _add(self, kv_id: str, held: Held) -> None:
         if (out := self._outgoing.get(kv_id)) is not None:
-            out.add(layer)
+            out.add(*held)
 
-    def _finish(self, kv_id: str, held: list[LayerState]) -> None:
+    def _finish(self, kv_id: str, held: list[Held]) -> None:
         if (out := self._outgoing.pop(kv_id, None)) is not None:
-            for layer in held:
-                out.add(layer)
+            for each in held:
+                out.add(*each)
             out.close()
 
     def pushing_bytes(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,10 +168,33 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def gather(kv_layer: torch.Tensor, block_ids: list[int]) -> np.ndarray:
-    """The whole blocks ``block_ids`` of one layer, in that order, as a host numpy array (exact bytes)."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
-    return to_numpy(kv_layer.index_select(0, index))
+def scheduler_blocks(kv_layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``kv_layer`` with dimension 0 counting the scheduler's ``num_blocks`` blocks (the ids in block tables). Where
+    the attention kernel splits each into ``k`` smaller kernel blocks (vLLM's ``kernel_blocks_per_block``: a
+    hybrid's attention page matched to its Mamba page), that is the view ``[num_blocks, k, …]``."""
+    kernel = int(kv_layer.shape[0])
+    if kernel == num_blocks or num_blocks <= 0:
+        return kv_layer
+    per, remainder = divmod(kernel, num_blocks)
+    if remainder or per < 1:
+        raise KVIncompatible(f"a KV cache of {kernel} kernel blocks does not split into {num_blocks} blocks")
+    return kv_layer.unflatten(0, (num_blocks, per))
+
+
+def gather(kv_layer: torch.Tensor, block_ids: list[int]) -> tuple[np.ndarray, Callable[[], None] | None]:
+    """The whole blocks ``block_ids`` of one layer, in that order, as host numpy (exact bytes), and what to call
+    before reading them: None on the CPU (the copy is done); on a GPU the copy is only queued on the current stream
+    (into pinned host memory, behind the kernels that write this layer) and the call waits for it, so that the
+    thread launching the forward pass never waits for the GPU."""
+    if kv_layer.device.type == "cpu":
+        return to_numpy(kv_layer.index_select(0, torch.tensor(block_ids, dtype=torch.long))), None
+    index = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(kv_layer.device, non_blocking=True)
+    picked = kv_layer.index_select(0, index)
+    host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=True)
+    host.copy_(picked, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return to_numpy(host), done.synchronize
 
 
 def forward_order(layer_name: str) -> tuple[int, ...]:
@@ -209,8 +233,11 @@ def scatter(kv_layer: torch.Tensor, block_ids: list[int], blocks: np.ndarray) ->
                              f"{_dtype_name(kv_layer.dtype)}{list(kv_layer.shape[1:])}")
     if len(block_ids) > blocks.shape[0]:
         raise KVIncompatible(f"the blob holds {blocks.shape[0]} blocks of this layer; {len(block_ids)} are needed")
-    source = from_numpy(np.ascontiguousarray(blocks[:len(block_ids)])).to(kv_layer.device)
-    index = torch.tensor(block_ids, dtype=torch.long, device=kv_layer.device)
+    source = from_numpy(np.ascontiguousarray(blocks[:len(block_ids)]))
+    index = torch.tensor(block_ids, dtype=torch.long)
+    if kv_layer.device.type != "cpu":  # through pinned memory, queued on the current stream like the steps after it
+        source = source.pin_memory().to(kv_layer.device, non_blocking=True)
+        index = index.pin_memory().to(kv_layer.device, non_blocking=True)
     kv_layer.index_copy_(0, index, source)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prfaas.engine import load_engine
-from prfaas.engine.loader import native_dtype
+from prfaas.engine.loader import native_dtype, resolve_device
 from prfaas.engine.worker import DecodeWorker
 from prfaas.errors import InvalidRequest, KVBadFormat, KVIncompatible
 from prfaas.kv import decode_state, encode_state
@@ -75,9 +75,40 @@ def test_bfloat16_engine_is_a_different_fingerprint(engines) -> None:
 def test_auto_dtype_is_bfloat16_only_where_it_is_native(engines, monkeypatch) -> None:
     assert load_engine("tiny-llama", dtype="auto").fingerprint.dtype == native_dtype()
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert native_dtype() == ("bfloat16" if torch.cuda.is_available() else "float32")
+    assert native_dtype() == "float32"  # a CPU engine, whether or not this machine has a GPU
+    assert native_dtype("cuda") == "bfloat16"
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
     assert native_dtype() == ("bfloat16" if torch.backends.mkldnn.is_available() else "float32")
+
+
+def test_devices_are_checked_before_anything_loads() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("tpu", "gpu0", "", "cuda:x"):
+        with pytest.raises(InvalidRequest, match="device must be cpu, cuda, cuda:N or auto"):
+            load_engine("tiny-llama", device=bad)
+    if torch.cuda.is_available():
+        with pytest.raises(InvalidRequest, match="GPU"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+    else:
+        with pytest.raises(InvalidRequest, match="sees no CUDA GPU"):
+            load_engine("tiny-llama", device="cuda")
+
+
+def test_engines_run_on_the_device_they_were_given(engines) -> None:
+    """KV is device-neutral: a prefill on the test device restores on the CPU and the CPU's decode goes on from it
+    exactly as the CPU's own prefill would (on the CPU itself: the same engine twice)."""
+    here = engines("tiny-llama")
+    cpu = load_engine("tiny-llama", device="cpu")
+    assert cpu.device.type == "cpu" and here.fingerprint == cpu.fingerprint
+    ids = random_prompt(60)
+    out = here.prefill(ids)
+    assert all(t.device.type == here.device.type for t in here.model.parameters())
+    kv = decode_state(encode_state(out.kv))
+    tokens = cpu.decode(kv, out.next_token, 8)
+    assert len(tokens) == 8
+    if here.device.type == "cpu":
+        assert [out.next_token, *tokens] == cpu.generate(ids, 9)
 
 
 def test_bad_prompts_are_clear_errors(engines) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +20,7 @@ LENGTHS = {"short": 23, "long": 1100}
 def pair(request: pytest.FixtureRequest, engines) -> Iterator[tuple]:
     name = request.param
     engine = engines(name)
-    with DecodeWorker(name) as worker:
+    with DecodeWorker(name, device=os.environ.get("PRFAAS_TEST_DEVICE", "cpu")) as worker:
         yield engine, worker
     assert worker.proc.returncode == 0  # the worker exited on its own when its stdin closed
 

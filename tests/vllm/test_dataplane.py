@@ -15,6 +15,7 @@ store (``BlobStore`` + ``TransferServer``) on a loop thread of this process, or 
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -107,6 +108,31 @@ def test_a_blob_arrives_whole_and_nothing_is_left(relay: StoreThread, mode: str,
     finally:
         plane.close()
     assert_clean(relay.store)
+    assert not _plane_threads()
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["layers", "step"])
+def test_a_layer_is_read_only_after_its_copy_is_ready(hold: bool) -> None:
+    """On a GPU a saved layer's bytes are still on their way to host memory when the worker hands it over; the
+    encoder calls the layer's ``ready`` first. Here ``ready`` itself writes the bytes: the blob must hold them."""
+    plane = DataPlane(ConnectorSettings(kv_address="127.0.0.1:0"))
+    try:
+        address = f"127.0.0.1:{plane.serve('127.0.0.1:0')}"
+        layers = _layers()[:3]
+        expected = [x.tensors["blocks"].copy() for x in layers]
+        for layer in layers:
+            layer.tensors["blocks"][:] = 0  # not there yet
+        header = _header(layers)
+        plane.begin(header)
+        for layer, content in zip(layers, expected, strict=True):
+            plane.add_layer(header.kv_id, layer, hold=hold,
+                            ready=functools.partial(np.copyto, layer.tensors["blocks"], content))
+        plane.finish(header.kv_id)
+        state = plane.pull(address, header.kv_id).result(60)
+        assert [x.tensors["blocks"].tobytes() for x in state.layers] == [x.tobytes() for x in expected]
+        plane.release(address, header.kv_id).result(30)
+    finally:
+        plane.close()
     assert not _plane_threads()
 
 

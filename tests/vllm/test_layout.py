@@ -1,6 +1,8 @@
 """The block bookkeeping of ``prfaas.vllm.layout`` that hybrid models need, without vLLM: which blocks a sliding
 window or a Mamba state group carries, where a blob's blocks go in a block table holding vLLM's null block, the
-blob's layer order, and whole-block copies of a Mamba layer's raw int8 pages."""
+blob's layer order, whole-block copies of a Mamba layer's raw int8 pages and of a cache whose kernel blocks are
+smaller than the scheduler's, and the same copies on a GPU (run where torch sees one: through pinned host memory,
+queued on the stream)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,48 @@ def test_int8_state_pages_copy_whole_blocks_exactly() -> None:
     pages = torch.zeros(6, 1, 1, 96, dtype=torch.int8)
     cache = pages.as_strided((6, 1, 1, 80), (96, 96, 96, 1))  # 80 bytes of state in each 96-byte page
     cache[2] = torch.arange(80, dtype=torch.int8).view(1, 1, 80)
-    blocks = layout.gather(cache, [2])
+    blocks, ready = layout.gather(cache, [2])
+    assert ready is None  # on the CPU the copy is done
     assert blocks.dtype == np.int8 and blocks.shape == (1, 1, 1, 80)
     layout.scatter(cache, [4], blocks)
     assert torch.equal(cache[4], cache[2]) and not pages[4, 0, 0, 80:].any()
+
+
+def test_kernel_blocks_smaller_than_the_schedulers_copy_as_one_block() -> None:
+    """A hybrid's attention cache may count kernel blocks, k per scheduler block: block ids still name scheduler
+    blocks, and a block's copy is its k kernel blocks."""
+    cache = torch.arange(12 * 2 * 4, dtype=torch.float32).view(12, 2, 4)  # 4 scheduler blocks of 3 kernel blocks
+    view = layout.scheduler_blocks(cache, 4)
+    assert view.shape == (4, 3, 2, 4) and view.data_ptr() == cache.data_ptr()
+    blocks, _ = layout.gather(view, [2])
+    assert np.array_equal(blocks[0], cache[6:9].numpy())
+    layout.scatter(view, [0], blocks)
+    assert torch.equal(cache[0:3], cache[6:9])
+    assert layout.scheduler_blocks(cache, 12) is cache
+    with pytest.raises(KVIncompatible, match="does not split"):
+        layout.scheduler_blocks(cache, 5)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="torch sees no CUDA GPU"))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("device", DEVICES)
+def test_whole_blocks_round_trip_exactly_on_each_device(device: str, dtype: torch.dtype) -> None:
+    """vLLM's attention cache ``[blocks, kv_heads, block_size, 2 × head_size]`` (FlashAttention's on a GPU): blocks
+    out in a request's order, into other blocks of another cache, bit for bit; nothing else changes."""
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randn(32, 2, 16, 128, generator=generator).to(device=device, dtype=dtype)
+    target = torch.zeros_like(source)
+    blocks, ready = layout.gather(source, [7, 3, 30])
+    assert (ready is None) == (device == "cpu")
+    if ready is not None:
+        ready()
+    assert blocks.shape == (3, 2, 16, 128) and blocks.dtype.itemsize == source.element_size()
+    layout.scatter(target, [1, 2, 9], blocks)
+    assert torch.equal(target[[1, 2, 9]].cpu().view(torch.uint8), source[[7, 3, 30]].cpu().view(torch.uint8))
+    untouched = [i for i in range(32) if i not in (1, 2, 9)]
+    assert not target[untouched].any()
+    with pytest.raises(KVIncompatible, match="do not fit"):
+        layout.scatter(target[:, :1], [0], blocks)
