@@ -13,6 +13,9 @@ Three parts, all bfloat16 on the first GPU (``--device``):
   where the weights are not on the machine) prefills each length; a decode batch of each row count steps, rows
   joined 8 steps apart as served; a prompt's KV is snapshot to host numpy (what a prefill instance ships) and
   encoded into a blob.
+- ``profile``: one decode step of 8 rows of ``--model`` under torch's profiler (CPU and CUDA activity): the
+  operators with the most host time per step, with their GPU time (a GPU step of a small model is bound by the
+  host, so this says what to cut).
 - ``connector``: vLLM's attention cache as the connector gets it on a GPU (``[blocks, kv_heads, 16, 2 × head]``
   per layer, FlashAttention's, ``--model``'s shape and 4,096 blocks), a request's blocks of each length gathered
   layer by layer as ``save_kv_layer`` does (``prfaas.vllm.layout.gather``: the host only queues the copy into
@@ -134,6 +137,26 @@ def engine_rows(engine: Any, lengths: list[int], levels: list[int], steps: int) 
     return rows
 
 
+def profile_rows(engine: Any, rows_n: int = 8, steps: int = 5, top: int = 12) -> list[dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = DecodeBatch(engine, 64)
+    for i in range(rows_n):
+        cache, first, _ = engine.prefill_cache(prompt(256, i))
+        batch.add(Row(f"r{i}", 256, first, None, 1), cache)
+    for _ in range(3):
+        batch.step()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            batch.step()
+        synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"operator": e.key, "calls_per_step": round(e.count / steps, 1),
+             "host_ms_per_step": round(e.self_cpu_time_total / steps / 1e3, 3),
+             "gpu_ms_per_step": round(getattr(e, "self_device_time_total", 0.0) / steps / 1e3, 3)} for e in events]
+
+
 def connector_rows(config: Any, lengths: list[int], device: str, steps: int) -> list[dict[str, Any]]:
     text = config.get_text_config(decoder=True)
     heads = int(text.num_key_value_heads)
@@ -192,7 +215,7 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096,8000")
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--parts", default="exact,engine,connector")
+    parser.add_argument("--parts", default="exact,engine,profile,connector")
     parser.add_argument("--out", default=str(HERE / "results" / "cuda_path.json"))
     args = parser.parse_args()
     if args.device != "cpu" and not torch.cuda.is_available():  # --device cpu: a dry run of the script itself
@@ -226,6 +249,15 @@ def main() -> None:
                 table.add_row(r["work"], str(r.get("tokens", r.get("rows"))), f"{r['ms']:.2f}", str(r["tokens_per_s"]),
                               str(r.get("snapshot_ms", "")), str(r.get("snapshot_gbps", "")),
                               str(r.get("encode_ms", "")))
+            console.print(table)
+        if "profile" in parts:
+            result["profile"] = profile_rows(engine)
+            table = Table(title="a decode step of 8 rows: the operators with the most host time (ms per step)")
+            for col in ("operator", "calls", "host ms", "GPU ms"):
+                table.add_column(col)
+            for r in result["profile"]:
+                table.add_row(r["operator"], str(r["calls_per_step"]), f"{r['host_ms_per_step']:.2f}",
+                              f"{r['gpu_ms_per_step']:.2f}")
             console.print(table)
         if "connector" in parts:
             result["connector"] = connector_rows(engine.model.config, lengths, args.device, args.steps)
