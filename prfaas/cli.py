@@ -49,7 +49,8 @@ def measure(
     seq_len: list[str] = typer.Option(None, "--seq-len", help="prompt lengths (repeat or 128,512)"),
     codec: list[str] = typer.Option(None, "--codec", help="codecs to size (repeat); default none"),
     dtype: str = typer.Option("float32", help="engine dtype"),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N | auto (the GPU where torch sees one)"),
+    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N | auto (the GPU where torch sees one)",
+                               callback=lambda value: check_device(value)),
     repeats: int = typer.Option(1, help="prefills per length; the fastest counts"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object on the last line"),
 ) -> None:
@@ -72,7 +73,7 @@ from prfaas.audit.cli import app as audit_app  # noqa: E402
 from prfaas.lab.cli import app as lab_app  # noqa: E402
 from prfaas.plan.cli import app as plan_app  # noqa: E402
 from prfaas.probe.cli import app as probe_app  # noqa: E402
-from prfaas.serve import serve_app, up  # noqa: E402
+from prfaas.serve import check_device, serve_app, up  # noqa: E402
 
 app.add_typer(plan_app, name="plan")
 app.add_typer(probe_app, name="probe")

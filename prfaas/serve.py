@@ -28,8 +28,19 @@ HOST = typer.Option("127.0.0.1", "--host", help="address to bind")
 MODEL = typer.Option("smollm2-135m", "--model", help="built-in name, HF directory or .gguf file")
 DTYPE = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16 | auto (bfloat16 where the CPU or GPU "
                      "computes it natively, else float32); every role of a deployment needs the same")
-DEVICE = typer.Option("cpu", "--device", help="where the embedded engine runs: cpu | cuda | cuda:N | auto (the GPU "
-                      "where torch sees one); KV moves between a GPU and a CPU instance of the same dtype")
+
+
+def check_device(value: str) -> str:
+    """``--device`` checked before anything starts: the name only (whether torch sees that GPU, the engine says
+    when it loads)."""
+    if value in ("cpu", "cuda", "auto") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise typer.BadParameter(f"{value!r}: expected cpu, cuda, cuda:N or auto")
+
+
+DEVICE = typer.Option("cpu", "--device", callback=check_device, help="where the embedded engine runs: cpu | cuda | "
+                      "cuda:N | auto (the GPU where torch sees one); KV moves between a GPU and a CPU instance of "
+                      "the same dtype")
 ENGINE = typer.Option("prfaas", "--engine", help="prfaas (the embedded engine) | vllm (a vLLM server as this "
                       "instance's engine, from .venv-vllm: `make vllm`; docs/vllm.md)")
 
@@ -82,12 +93,16 @@ def _build(options: InstanceOptions, config: Config) -> RoleServer:
 def _vllm_role(options: InstanceOptions, config: Config) -> RoleServer:
     """The role on a child vLLM server (``prfaas.vllm.serving``): no store here (the connector's is inside vLLM),
     the same routes."""
+    from prfaas.errors import InvalidRequest
     from prfaas.services.instance import Instance
     from prfaas.services.roles import DecodeServer, PrefillServer
     from prfaas.vllm import serving
 
     if options.role not in ("prefill", "decode"):
         raise ValueError(f"unknown role {options.role!r}")
+    if options.device != "cpu":
+        raise InvalidRequest(f"--device {options.device} is for the embedded engine; a vLLM instance runs where its "
+                             "own build does (.venv-vllm holds vLLM's CPU build)")
     core = Instance(options, config, with_store=False)
     try:
         backend = serving.start(core)

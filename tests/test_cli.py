@@ -37,7 +37,8 @@ BAD: list[tuple[str, ...]] = [
     ("lab", "set", "--delay", "1parsec"), ("lab", "set", "--jitter", "some"), ("lab", "set", "--mtu", "9"),
     ("lab", "up", "--loss", "2"), ("lab", "up", "--rate", "fast"),
     ("up", "--port", "x"), ("up", "--prefill", "0"), ("up", "--config", NOWHERE), ("up", "--offload-threshold", "x"),
-    ("up", "--max-restarts", "-1"), ("serve", "router", "--config", NOWHERE), ("serve", "router", "--port", "x"),
+    ("up", "--max-restarts", "-1"), ("up", "--device", "tpu"), ("up", "--device", "cuda:x"),
+    ("measure", "--device", "gpu0"), ("serve", "router", "--config", NOWHERE), ("serve", "router", "--port", "x"),
     ("bench", "run", "--target", DEAD, "--out", "{tmp}", "--duration", "lots"),
     ("bench", "run", "--target", DEAD, "--out", "{tmp}", "--input-len", "abc"),
     ("bench", "run", "--target", DEAD, "--out", "{tmp}", "--concurrency", "0"),
@@ -71,6 +72,7 @@ BAD: list[tuple[str, ...]] = [
     ("plan", "capacity", "--profile", "{profile}", "--local-profile", NOWHERE),
     ("plan", "capacity", "--profile", "{profile}", "--kv", NOWHERE), ("measure", "--seq-len", "abc"),
     ("serve", "prefill", "--router", DEAD, "--config", NOWHERE), ("serve", "decode", "--router", DEAD, "--port", "x"),
+    ("serve", "prefill", "--router", DEAD, "--device", "gpu"),
     ("certs", "revoke", NOWHERE, "prefill-1"), ("certs", "issue", "--role", "prefill", "--name",
                                                                    "p", "--dir", NOWHERE, "--days", "0"),
 ]
