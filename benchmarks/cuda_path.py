@@ -11,8 +11,8 @@ Three parts, all bfloat16 on the first GPU (``--device``):
   decode instance follows a GPU prefill (other kernels: agreement, not bit-equality, is what is recorded).
 - ``engine``: ``--model`` (``--random-weights``: a model of its config with random weights, for timings only,
   where the weights are not on the machine) prefills each length; a decode batch of each row count steps, rows
-  joined 8 steps apart as served; a prompt's KV is snapshot to host numpy (what a prefill instance ships) and
-  encoded into a blob.
+  joined 8 steps apart as served (``engine_profile.batch``); a prompt's KV is snapshot to host numpy (what a
+  prefill instance ships) and encoded into a blob.
 - ``profile``: one decode step of 8 rows of ``--model`` under torch's profiler (CPU and CUDA activity): the
   operators with the most host time per step, with their GPU time (a GPU step of a small model is bound by the
   host, so this says what to cut).
@@ -42,14 +42,13 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.engine_profile import batch as staggered  # a decode batch whose rows join 8 steps apart
 from prfaas.bench.provenance import provenance
 from prfaas.engine import TINY_MODELS, load_engine, models
-from prfaas.engine.batch import DecodeBatch, Row
 from prfaas.kv import decode_state, encode_state
 from prfaas.vllm import layout
 
 HERE = Path(__file__).resolve().parent
-STAGGER = 8
 BLOCK = 16  # vLLM's default block size on a GPU
 EXACT_PROMPT, EXACT_TOKENS = 300, 24
 
@@ -116,7 +115,7 @@ def engine_rows(engine: Any, lengths: list[int], levels: list[int], steps: int) 
     for n in lengths:
         ids = prompt(n)
         ms = median_ms(lambda ids=ids: engine.prefill_cache(ids), max(3, steps // 4))
-        cache, first, _ = engine.prefill_cache(ids)
+        cache, _, _ = engine.prefill_cache(ids)
         snap = median_ms(lambda cache=cache, n=n: engine.snapshot(cache, n), max(3, steps // 4))
         kv = engine.snapshot(cache, n)
         encode = median_ms(lambda kv=kv: encode_state(kv), 3, warm=1)
@@ -125,14 +124,7 @@ def engine_rows(engine: Any, lengths: list[int], levels: list[int], steps: int) 
                      "encode_ms": encode})
     prompts = [prompt(256, seed) for seed in range(max(levels))]
     for rows_n in levels:
-        batch = DecodeBatch(engine, max(64, rows_n))
-        for i, ids in enumerate(prompts[:rows_n]):
-            cache, first, _ = engine.prefill_cache(ids)
-            batch.add(Row(f"r{i}", len(ids), first, None, 1), cache)
-            if i < rows_n - 1:
-                for _ in range(STAGGER):
-                    batch.step()
-        ms = median_ms(batch.step, steps)
+        ms = median_ms(staggered(engine, rows_n, prompts).step, steps)
         rows.append({"work": "decode step", "rows": rows_n, "ms": ms, "tokens_per_s": round(rows_n / ms * 1e3)})
     return rows
 
@@ -140,10 +132,7 @@ def engine_rows(engine: Any, lengths: list[int], levels: list[int], steps: int) 
 def profile_rows(engine: Any, rows_n: int = 8, steps: int = 5, top: int = 12) -> list[dict[str, Any]]:
     from torch.profiler import ProfilerActivity, profile
 
-    batch = DecodeBatch(engine, 64)
-    for i in range(rows_n):
-        cache, first, _ = engine.prefill_cache(prompt(256, i))
-        batch.add(Row(f"r{i}", 256, first, None, 1), cache)
+    batch = staggered(engine, rows_n, [prompt(256, seed) for seed in range(rows_n)])
     for _ in range(3):
         batch.step()
     synchronize()
