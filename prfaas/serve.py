@@ -161,6 +161,9 @@ def up(model: str = MODEL, mode: str = typer.Option("relay", "--mode", help="rel
     from prfaas.services.up import UpOptions, run_up
 
     load_config(config)  # fail fast on a bad file, before any process starts
+    if engine == "vllm" and device != "cpu":
+        raise typer.BadParameter(f"--device {device} is for the embedded engine; a vLLM instance runs where its own "
+                                 "build does (.venv-vllm holds vLLM's CPU build)")
     run_up(UpOptions(model=model, mode=mode, port=port, prefill=prefill, decode=decode,
                      offload_threshold=offload_threshold, config=config, dtype=dtype, engine=engine,
                      device=device, lab=lab, lab_index=lab_index, tls=tls, max_restarts=max_restarts,

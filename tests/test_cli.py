@@ -38,6 +38,7 @@ BAD: list[tuple[str, ...]] = [
     ("lab", "up", "--loss", "2"), ("lab", "up", "--rate", "fast"),
     ("up", "--port", "x"), ("up", "--prefill", "0"), ("up", "--config", NOWHERE), ("up", "--offload-threshold", "x"),
     ("up", "--max-restarts", "-1"), ("up", "--device", "tpu"), ("up", "--device", "cuda:x"),
+    ("up", "--engine", "vllm", "--device", "cuda"),
     ("measure", "--device", "gpu0"), ("serve", "router", "--config", NOWHERE), ("serve", "router", "--port", "x"),
     ("bench", "run", "--target", DEAD, "--out", "{tmp}", "--duration", "lots"),
     ("bench", "run", "--target", DEAD, "--out", "{tmp}", "--input-len", "abc"),

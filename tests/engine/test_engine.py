@@ -96,8 +96,9 @@ def test_devices_are_checked_before_anything_loads() -> None:
 
 
 def test_engines_run_on_the_device_they_were_given(engines) -> None:
-    """KV is device-neutral: a prefill on the test device restores on the CPU and the CPU's decode goes on from it
-    exactly as the CPU's own prefill would (on the CPU itself: the same engine twice)."""
+    """KV is device-neutral: a prefill on the test device (``PRFAAS_TEST_DEVICE``) restores on the CPU and decodes
+    there; on the CPU itself the tokens equal the CPU's own ``generate`` (across devices they follow each device's
+    kernels, so only the decode is checked)."""
     here = engines("tiny-llama")
     cpu = load_engine("tiny-llama", device="cpu")
     assert cpu.device.type == "cpu" and here.fingerprint == cpu.fingerprint
