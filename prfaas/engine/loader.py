@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from prfaas.kv import Fingerprint
 from prfaas.kv.fingerprint import tokenizer_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+T = TypeVar("T")
 
 
 def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None,
@@ -27,7 +30,45 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
     """Load a model for prefill and decode on ``device`` (``cpu``, ``cuda``, ``cuda:N``, or ``auto``: the GPU where
     torch sees one); ``packed``: on the CPU, its linear layers on weights prepacked for oneDNN (``packed.py``; off
     only to measure what packing gains). The fingerprint does not name the device: KV made on a GPU restores on a
-    CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for bit)."""
+    CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for bit).
+
+    The load, and the two tiny prefills behind ``layer_table`` and ``kv_footprint`` (a service reads both as it
+    starts), run on a thread of their own that ends with them (``on_passing_thread``): the caller's thread is left
+    without an OpenMP pool, and the thread that then runs the engine owns the process's only one."""
+    def load() -> EngineBase:
+        engine = _load_engine(spec, dtype, threads, packed, device)
+        _ = engine.layer_table, engine.kv_footprint
+        return engine
+
+    return on_passing_thread(load)
+
+
+def on_passing_thread(work: Callable[[], T]) -> T:
+    """``work()`` on a new thread that ends when it returns; its result, or its exception raised here.
+
+    Why: every thread that runs a parallel torch operator keeps an OpenMP pool of its own (torch's CPU wheel uses
+    GNU OpenMP) for as long as it lives, and libgomp cuts the spin-wait of every pool to almost nothing once the
+    process has more pool threads than cores: each operator then waits for its threads to wake, and a service that
+    loaded its model on the main thread and ran it on its engine thread stepped at about half speed
+    (docs/engine.md). A pool ends with its thread."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # handed to the caller's thread
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="prfaas-load", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, device: str) -> EngineBase:
     if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
         from prfaas.engine.synthetic import load_synthetic
 

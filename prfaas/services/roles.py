@@ -165,7 +165,6 @@ def build(options: InstanceOptions, config: Config) -> RoleServer:
     from prfaas.services.prefill import PrefillService
 
     engine = load_engine(options.model, dtype=options.dtype, device=options.device)
-    _ = engine.layer_table  # computed once, before the first request needs it
     core = Instance(options, config, with_store=options.role == "prefill")
     core.advertise(engine)
     prefix = PrefixPrefill.maybe(engine, config.prefill.prefix_cache_bytes, options.role,

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -110,6 +113,41 @@ def test_engines_run_on_the_device_they_were_given(engines) -> None:
     assert len(tokens) == 8
     if here.device.type == "cpu":
         assert [out.next_token, *tokens] == cpu.generate(ids, 9)
+
+
+POOL_LEFT = """
+import os, sys, time
+import torch
+from prfaas.engine import loader
+before = set(os.listdir("/proc/self/task"))
+if sys.argv[1] == "here":
+    engine = loader._load_engine("tiny-llama", "float32", None, True, "cpu")
+    _ = engine.layer_table, engine.kv_footprint
+else:
+    engine = loader.load_engine("tiny-llama")
+deadline = time.monotonic() + 10  # a pool's threads end shortly after the thread that owned it
+while set(os.listdir("/proc/self/task")) - before and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(torch.get_num_threads(), len(set(os.listdir("/proc/self/task")) - before))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_loading_leaves_the_calling_thread_no_openmp_pool() -> None:
+    """What a load runs in parallel (packing, hashing, the two tiny prefills a service reads) must leave no OpenMP
+    pool on the caller's thread: a service's engine thread then owns the process's only one (loader.py says why).
+    The same load on the calling thread is the control: there it leaves the pool's threads running."""
+    def left(where: str) -> tuple[int, int]:
+        done = subprocess.run([sys.executable, "-c", POOL_LEFT, where], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        threads, extra = done.stdout.split()
+        return int(threads), int(extra)
+
+    threads, here = left("here")
+    if threads < 2:
+        pytest.skip("torch runs one thread here: no pool to leave")
+    assert here >= 1, "the control left no pool: the check would not see one"
+    assert left("passing") == (threads, 0)
 
 
 def test_bad_prompts_are_clear_errors(engines) -> None:
