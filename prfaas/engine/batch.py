@@ -21,7 +21,7 @@ import torch
 
 from prfaas.engine import slots
 from prfaas.engine.protocol import Engine
-from prfaas.engine.sampling import pick_token
+from prfaas.engine.sampling import pick_tokens
 from prfaas.messages import SamplingParams
 
 
@@ -109,8 +109,8 @@ class DecodeBatch:
         """The step's end (``step``'s, or a prefill pass's that carried the rows): each row's token from its row
         of ``logits``, every row one position on. Also kept as ``stepped`` for whoever let a pass carry the rows."""
         out = {}
-        for i, row in enumerate(self.rows):
-            token = pick_token(logits[i], row.sampling, row.step)
+        tokens = pick_tokens(logits, [r.sampling for r in self.rows], [r.step for r in self.rows])
+        for row, token in zip(self.rows, tokens, strict=True):
             out[row.seq_id] = token
             row.token, row.length, row.step = token, row.length + 1, row.step + 1
         self.length += 1

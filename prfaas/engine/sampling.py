@@ -1,4 +1,8 @@
-"""``pick_token``: the next token from a row of logits, greedy or seeded, the same on every host."""
+"""``pick_token``: the next token from a row of logits, greedy or seeded, the same on every host; ``pick_tokens``:
+one per row of a batch's logits.
+
+Greedy picks take the argmax of the logits in float32: the conversion is exact, so the index is the same, and
+torch's CPU argmax runs several times faster on float32 than on bfloat16."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ def pick_token(logits: torch.Tensor, sampling: SamplingParams | None, step: int)
     logits are scaled in float32 after subtracting their maximum, so the largest is exactly 0 and the rest are
     ≤ 0 (at worst -inf, probability 0) — never inf or NaN; a temperature under ``GREEDY_BELOW`` is greedy."""
     if sampling is None or sampling.temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits.float()))
     logits = logits.float()
     probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
@@ -25,3 +29,17 @@ def pick_token(logits: torch.Tensor, sampling: SamplingParams | None, step: int)
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
     generator = torch.Generator().manual_seed((sampling.seed * 1_000_003 + step) % (2**63))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def pick_tokens(logits: torch.Tensor, samplings: list[SamplingParams | None], steps: list[int]) -> list[int]:
+    """``pick_token`` of every row of ``[rows, vocab]`` logits, the greedy rows in one argmax."""
+    picked = [0] * len(samplings)
+    greedy = [i for i, s in enumerate(samplings) if s is None or s.temperature < GREEDY_BELOW]
+    if greedy:
+        rows = logits if len(greedy) == len(samplings) else logits[greedy]
+        for i, token in zip(greedy, torch.argmax(rows.float(), dim=-1).tolist(), strict=True):
+            picked[i] = int(token)
+    for i, sampling in enumerate(samplings):
+        if sampling is not None and sampling.temperature >= GREEDY_BELOW:
+            picked[i] = pick_token(logits[i], sampling, steps[i])
+    return picked

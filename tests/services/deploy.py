@@ -45,10 +45,11 @@ def descendants(pid: int) -> list[int]:
 
 
 @contextmanager
-def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...] = ()) -> Iterator[tuple]:
-    """``prfaas up`` with ``extra`` flags; yields (router URL, process). With ``--tls`` the URL is https (its CA:
-    ``tls_dir``)."""
-    proc, url, log = _start(model, mode, threshold, extra)
+def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> Iterator[tuple]:
+    """``prfaas up`` with ``extra`` flags and ``env`` added to this process's environment; yields (router URL,
+    process). With ``--tls`` the URL is https (its CA: ``tls_dir``)."""
+    proc, url, log = _start(model, mode, threshold, extra, env)
     children: list[int] = []
     try:
         children = descendants(proc.pid)
@@ -70,14 +71,16 @@ def deployment(model: str, mode: str, threshold: int = 64, extra: tuple[str, ...
         assert not left, f"processes left behind: {left}"
 
 
-def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...]) -> tuple[subprocess.Popen, str, IO[bytes]]:
+def _start(model: str, mode: str, threshold: int, extra: tuple[str, ...],
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str, IO[bytes]]:
     """``prfaas up`` on a free port, healthy. The port can be taken between ``free_port`` and the router's bind (an
     outgoing connection of an earlier test, say): ``prfaas up`` then refuses it, and another is tried."""
     for _ in range(3):
         port, log = free_port(), tempfile.TemporaryFile()  # noqa: SIM115 (closed by deployment())
         cmd = [sys.executable, "-m", "prfaas", "up", "--model", model, "--mode", mode, "--port", str(port),
                "--offload-threshold", str(threshold), *extra]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, **env} if env else None)
         assert proc.stdout is not None
         deadline = time.monotonic() + 300
         for line in proc.stdout:
