@@ -274,7 +274,8 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: V
     with_vllm = vllm is not None and model == "smollm2-135m"
     # two engine processes on the same cores: each takes its half, as disaggregated peers bind disjoint cores
     # (both with a thread per core, each one's OpenMP threads spin-wait on cores the other needs)
-    split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, (os.cpu_count() or 2) // 2)) \
+    cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 2)  # --threads, else one per core
+    split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, cores // 2)) \
         if model == "smollm2-135m" else nullcontext((None, 0))
     with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), \
             (vllm_up(dtype, log_path, vllm) if with_vllm and vllm else nullcontext(None)) as peer:

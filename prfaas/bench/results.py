@@ -52,6 +52,13 @@ ENGINE = View("decode throughput (median over the rounds, with min and max)", "r
     "model", "system", "concurrency", "rounds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
     "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "cpu_s_per_1k_tokens", "loadavg_before", "loadavg_after",
     "overloaded"))
+TRANSPORT = (
+    View("goodput (median of equal samples, quartiles, range)", "rows", _cols(
+        "path", "tool", "streams", "samples", "gbps", "gbps_q1", "gbps_q3", "gbps_min", "gbps_max", "vs_iperf3",
+        "vs_ceiling", "cpu_s_per_gb", "push_gbps")),
+    View("TLS cost", "tls_cost", _cols("path", "streams", "goodput_ratio", "vs_tls_copy", "plain_cpu_s_per_gb",
+                                       "tls_cpu_s_per_gb", "tls_copy_cpu_s_per_gb")),
+)
 SERVING = View("TTFT against the in-process engine (ms, medians and quartiles)", "rows", _cols(
     "prompt_tokens", "config", "samples", "ttft_ms", "ttft_ms_q1", "ttft_ms_q3", "vs_engine_ms", "vs_engine",
     "goal_met", "beyond_prefill_ms", "exposed_transfer_ms", "kv_bytes", "stages.prefill_ms", "stages.restore_ms",
@@ -73,13 +80,9 @@ SOURCES: dict[str, Source] = {
     ), PY + "benchmarks/kv_codecs.py"),
     "serving.json": Source("benchmarks/serving.py", (SERVING,), PY + "benchmarks/serving.py"),
     "serving-remote.json": Source("benchmarks/serving.py", (SERVING,)),
-    "transport.json": Source("benchmarks/transport.py", (
-        View("goodput (median of equal samples, quartiles, range)", "rows", _cols(
-            "path", "tool", "streams", "samples", "gbps", "gbps_q1", "gbps_q3", "gbps_min", "gbps_max", "vs_iperf3",
-            "vs_ceiling", "cpu_s_per_gb", "push_gbps")),
-        View("TLS cost", "tls_cost", _cols("path", "streams", "goodput_ratio", "vs_tls_copy", "plain_cpu_s_per_gb",
-                                           "tls_cpu_s_per_gb", "tls_copy_cpu_s_per_gb")),
-    ), PY + "benchmarks/transport.py --size 256MiB --size-1g 64MiB --repeat 3"),
+    "transport.json": Source("benchmarks/transport.py", TRANSPORT,
+                             PY + "benchmarks/transport.py --size 256MiB --size-1g 64MiB --repeat 3"),
+    "transport-loopback.json": Source("benchmarks/transport.py", TRANSPORT),
     "scheduler.json": Source("benchmarks/scheduler.py", (
         View("online cost model against fixed thresholds (throughput ratios)", "summary", _cols(
             "bandwidth_gbps", "load", "link", "best_fixed", "best_fixed_rps", "best_fixed_link_load", "online_rps",
@@ -188,6 +191,7 @@ TITLES = {
     "serving.json": "TTFT through a deployment against the in-process engine",
     "serving-remote.json": "TTFT with remote prefill against the in-process engine",
     "transport.json": "the KV data plane",
+    "transport-loopback.json": "the KV data plane on loopback, a second kind of CPU",
     "scheduler.json": "simulated cluster, offload policies", "tenancy.json": "encryption at rest and tenancy costs",
     "lab_probe.json": "what the lab's WAN delivers", "matmul_dtype.json": "bfloat16 against float32 matmuls",
     "chunk_attention.json": "what chunking a prefill costs in attention",
