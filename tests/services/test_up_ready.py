@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from prfaas.services.up import Deployment, UpOptions
+from prfaas.services.up import SHARED_SPIN, Deployment, UpOptions, shared_cores_env
 
 
 class _Health(BaseHTTPRequestHandler):
@@ -70,3 +70,14 @@ def test_a_router_still_loading_its_own_tokenizer_is_not_up(router: tuple[str, t
     assert not Deployment(UpOptions(mode="direct"))._healthy(url)
     handler.body = {**handler.body, "tokenizers_loading": 0}
     assert Deployment(UpOptions(mode="direct"))._healthy(url)
+
+
+def test_engine_children_spin_briefly_unless_told_otherwise() -> None:
+    """Every engine of ``prfaas up`` shares the machine's cores: libgomp's default spin-wait lets a busy one's
+    workers hold cores another busy one needs, so the children get a short spin (docs/engine.md, Threads); a spin
+    policy the caller set wins, and vLLM's engines keep their own."""
+    base = {"PATH": "/usr/bin"}
+    assert shared_cores_env(base, "prfaas") == {"PATH": "/usr/bin", "GOMP_SPINCOUNT": SHARED_SPIN}
+    assert shared_cores_env({**base, "GOMP_SPINCOUNT": "0"}, "prfaas") is None
+    assert shared_cores_env({**base, "OMP_WAIT_POLICY": "ACTIVE"}, "prfaas") is None
+    assert shared_cores_env(base, "vllm") is None
