@@ -166,16 +166,17 @@ def prfaas_dtype(url: str) -> str | None:
 
 
 @contextmanager
-def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000,
-              threads: int | None = None) -> Iterator[tuple[str, int]]:
+def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000, threads: int | None = None,
+              env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """``prfaas up`` in direct mode; ``threshold`` 100000: every prompt prefilled on the decode instance, 0: on the
     prefill instance; ``threads``: each process's OpenMP threads (``OMP_NUM_THREADS``; None: torch's default, one
-    per core)."""
+    per core); ``env``: more of the processes' environment."""
+    env = {**(env or {}), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(f"decode_max_batch: {batch}\ndecode_queue_limit: 1000\nstore_budget_mb: 8192\n")
     try:
         with deployment(model, "direct", threshold=threshold, extra=("--dtype", dtype, "--config", f.name),
-                        env={"OMP_NUM_THREADS": str(threads)} if threads else None) as (url, proc):
+                        env=env) as (url, proc):
             yield url, proc.pid
     finally:
         os.unlink(f.name)

@@ -186,6 +186,7 @@ SOURCES: dict[str, Source] = {
 TITLES = {
     "engine.json": "decode throughput, prfaas against vLLM",
     "engine_profile.json": "where a decode step's time goes, linears plain and packed",
+    "shared_cores.json": "two engine processes on the same cores, against libgomp's spin-wait",
     "cuda_path.json": "the engine and the vLLM connector's block copies on a GPU",
     "kv_codecs.json": "KV size, codec speed and quality",
     "serving.json": "TTFT through a deployment against the in-process engine",
