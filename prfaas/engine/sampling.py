@@ -19,7 +19,7 @@ def pick_token(logits: torch.Tensor, sampling: SamplingParams | None, step: int)
     Numerically safe for any temperature ``SamplingParams`` lets through, and for a caller that bypasses it: the
     logits are scaled in float32 after subtracting their maximum, so the largest is exactly 0 and the rest are
     ≤ 0 (at worst -inf, probability 0) — never inf or NaN; a temperature under ``GREEDY_BELOW`` is greedy."""
-    if sampling is None or sampling.temperature < GREEDY_BELOW:
+    if sampling is None or greedy(sampling):
         return int(torch.argmax(logits.float()))
     logits = logits.float()
     probs = torch.softmax((logits - logits.max()) / sampling.temperature, dim=-1)
@@ -34,12 +34,16 @@ def pick_token(logits: torch.Tensor, sampling: SamplingParams | None, step: int)
 def pick_tokens(logits: torch.Tensor, samplings: list[SamplingParams | None], steps: list[int]) -> list[int]:
     """``pick_token`` of every row of ``[rows, vocab]`` logits, the greedy rows in one argmax."""
     picked = [0] * len(samplings)
-    greedy = [i for i, s in enumerate(samplings) if s is None or s.temperature < GREEDY_BELOW]
-    if greedy:
-        rows = logits if len(greedy) == len(samplings) else logits[greedy]
-        for i, token in zip(greedy, torch.argmax(rows.float(), dim=-1).tolist(), strict=True):
+    argmax = [i for i, s in enumerate(samplings) if greedy(s)]
+    if argmax:
+        rows = logits if len(argmax) == len(samplings) else logits[argmax]
+        for i, token in zip(argmax, torch.argmax(rows.float(), dim=-1).tolist(), strict=True):
             picked[i] = int(token)
     for i, sampling in enumerate(samplings):
-        if sampling is not None and sampling.temperature >= GREEDY_BELOW:
+        if not greedy(sampling):
             picked[i] = pick_token(logits[i], sampling, steps[i])
     return picked
+
+
+def greedy(sampling: SamplingParams | None) -> bool:
+    return sampling is None or sampling.temperature < GREEDY_BELOW
