@@ -137,7 +137,8 @@ def plan(link_file: Path, profile_file: Path) -> dict[str, Any]:
     mix = "hist:" + ",".join(f"{n}=1" for n in LENGTHS)
     return last_json(prfaas("plan", "link", "--config", str(CONFIG), "--dtype", "bfloat16", "--link", str(link_file),
                             "--profile", str(profile_file), "--mix", mix, "--qps", str(QPS), "--ttft-budget-ms",
-                            str(TTFT_BUDGET_MS), "--e2e-budget-ms", str(E2E_BUDGET_MS), "--json"))
+                            str(TTFT_BUDGET_MS), "--e2e-budget-ms", str(E2E_BUDGET_MS), "--mode", "relay",
+                            "--json"))
 
 
 async def serve(url: str, lengths: list[int], seed: int) -> list[RequestRecord]:
@@ -159,12 +160,14 @@ def measured(records: list[RequestRecord]) -> dict[str, Any]:
     """Transfer stage and exposed transfer (ms) of the remote requests: P50 and P99 over the mix, per length."""
     remote = [r for r in records if r.ok and r.prfaas.get("route") == "remote" and stage(r, "transfer_ms")]
     rows = [(r.input_len, int(r.prfaas.get("kv_bytes") or 0), stage(r, "transfer_ms") or 0.0,
-             (stage(r, "transfer_ms") or 0.0) - (stage(r, "queue_ms") or 0.0) - (stage(r, "prefill_ms") or 0.0))
+             max(0.0, (stage(r, "transfer_ms") or 0.0) - (stage(r, "queue_ms") or 0.0)
+                 - (stage(r, "prefill_ms") or 0.0)))  # clamped, as the router's exposed-transfer metric is
             for r in remote]
     transfer, exposed = [t for _, _, t, _ in rows], [e for _, _, _, e in rows]
     per_length = [{"seq_len": n, "kv_bytes": sorted({b for m, b, _, _ in rows if m == n}),
                    "stage_ms": [round(t, 1) for m, _, t, _ in rows if m == n],
-                   "exposed_ms": [round(e, 1) for m, _, _, e in rows if m == n]} for n in LENGTHS]
+                   "exposed_ms": [round(e, 1) for m, _, _, e in rows if m == n],
+                   "stages": [r.prfaas.get("stages") for r in remote if r.input_len == n]} for n in LENGTHS]
     return {"requests": len(records), "remote": len(remote), "failed": sum(not r.ok for r in records),
             "local_reasons": sorted({str(r.prfaas.get("reason")) for r in records if r.ok and r not in remote}),
             "stage_p50_ms": percentile(transfer, 50), "stage_p99_ms": percentile(transfer, 99),
@@ -212,16 +215,20 @@ def compare(predicted: dict[str, Any], profile: dict[str, Any], got: dict[str, A
 
 def wire_comparison(predicted: dict[str, Any], tcp: list[dict[str, Any]], got: dict[str, Any]) -> list[dict[str, Any]]:
     """Per length: the plan's wire time (fresh connection, ``prfaas.plan.transfer.wire_ms``) against a plain TCP
-    connection's through the same link (mean of its samples), and the served transfer stage's median against both."""
+    connection's through the same link (mean of its samples), the served transfer stage's median against both, and
+    the prefill the instance reported (median) against the plan's (forward pass, encoding, a push's back-pressure)."""
     out = []
     for row, served in zip(predicted["transfer"]["per_length"], got["per_length"], strict=True):
         samples = [r["wire_ms"] for r in tcp if r["bytes"] == next(iter(served["kv_bytes"]), None)]
         plain = sum(samples) / len(samples) if samples else None
         stage = percentile(served["stage_ms"], 50)
+        prefill = percentile([float(s["prefill_ms"]) for s in served["stages"] if s and "prefill_ms" in s], 50)
         out.append({"seq_len": row["seq_len"], "plan_wire_ms": row["wire_ms"],
                     "tcp_wire_ms": None if plain is None else round(plain, 1),
                     "plan_vs_tcp": off(row["wire_ms"], plain),
-                    "stage_p50_ms": stage, "plan_stage_ms": row["stage_ms"], "stage_vs_tcp": off(stage, plain)})
+                    "stage_p50_ms": stage, "plan_stage_ms": row["stage_ms"], "stage_vs_tcp": off(stage, plain),
+                    "instance_prefill_p50_ms": prefill, "plan_instance_prefill_ms": row["instance_prefill_ms"],
+                    "plan_vs_instance_prefill": off(row["instance_prefill_ms"], prefill)})
     return out
 
 
@@ -316,7 +323,8 @@ def write_report(args: argparse.Namespace, profile: dict[str, Any], rows: list[d
                         "delay is the lab's user-space delay line (no netem here): the probe's bandwidth is what a "
                         "setting delivered, which on delayed 10 Gbit settings is less than asked",
                         "stage = the transfer_ms stage decode reports (from the request reaching decode to the last "
-                        "byte pulled); exposed = stage - queue - prefill"]}
+                        "byte pulled); exposed = max(0, stage - queue - prefill) (the prefill the instance reports: "
+                        "forward pass, encoding and a push's back-pressure)"]}
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

@@ -28,8 +28,9 @@ Compute model (a roofline; the numbers are stated, not measured), scaled to the 
 Kimi-Linear runs on one H200 (bf16 weights, 96 GB); MiniMax-M2 on four H200 with tensor parallelism (FP8 weights,
 230 GB). H200: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e; MFU 0.4, MBU 0.6.
 
-Behaviour: the engine sleeps (``time.sleep``, never spins) for the modelled time; a prefill sleeps layer by layer
-and hands each layer's ``LayerState`` to ``on_layer`` on schedule, so chunks stream out while "compute" continues.
+Behaviour: the engine sleeps (``time.sleep``, never spins) for the modelled time; a prefill's (last) pass sleeps
+layer by layer and hands each layer's ``LayerState`` to ``on_layer`` between two layers, so chunks stream out while
+"compute" continues and what ``on_layer`` costs adds to the pass, as on a real engine.
 Tensor contents are a fixed pseudo-random bfloat16 pattern (views, no per-request copy); the first token is a hash
 of the prompt and every next token a function of the previous one and its position, so local and remote paths give
 the same tokens. A restore checks the fingerprint and that every layer has exactly the planned bytes, then keeps only
@@ -278,31 +279,38 @@ class SyntheticEngine(EngineBase):
         """Sleep the modelled prefill time layer by layer, handing each layer to ``on_layer`` when it is due."""
         ids = self.check_prompt(token_ids)
         started = time.perf_counter()
-        total = self.spec.prefill_seconds(len(ids))
-        for index in range(self.num_layers):
-            _sleep_until(started + total * (index + 1) / self.num_layers)
-            if on_layer is not None:
-                on_layer(self.layer_state(index, len(ids)))
+        self._layers(self.spec.prefill_seconds(len(ids)), len(ids), on_layer)
         return SyntheticCache(len(ids)), self.first_token(ids), time.perf_counter() - started
+
+    def _layers(self, seconds: float, seq_len: int, on_layer: LayerCallback | None) -> None:
+        """One pass of ``seconds``, layer by layer: each layer sleeps its share, then ``on_layer`` gets its state on
+        this thread before the next layer starts, as a real engine's hook runs between two layers (so what
+        ``on_layer`` costs, encoding the layer's chunks, adds to the pass as it does there)."""
+        for index in range(self.num_layers):
+            _sleep_until(time.perf_counter() + seconds / self.num_layers)
+            if on_layer is not None:
+                on_layer(self.layer_state(index, seq_len))
 
     def prefill_chunks(self, token_ids: Sequence[int], chunk: int | ChunkPlan,
                        sampling: SamplingParams | None = None, step: int = 0,
                        on_layer: LayerCallback | None = None) -> Iterator[ChunkResult | None]:
+        """As the transformers engine's: ``None`` between passes; the last pass runs layer by layer (``_layers``), so
+        a long prompt's chunks stream while it "computes"."""
         ids = self.check_prompt(token_ids)
         seconds, start = 0.0, 0
         while True:
             size = pass_tokens(chunk, start) or len(ids)
             end = min(len(ids), start + size)
             began = time.perf_counter()
-            _sleep_until(began + self.spec.prefill_seconds(end, start))
-            seconds += time.perf_counter() - began
+            took = self.spec.prefill_seconds(end, start)
             if end == len(ids):
+                self._layers(took, len(ids), on_layer)
+                seconds += time.perf_counter() - began
                 break
+            _sleep_until(began + took)
+            seconds += time.perf_counter() - began
             yield None
             start = end
-        if on_layer is not None:
-            for index in range(self.num_layers):
-                on_layer(self.layer_state(index, len(ids)))
         yield SyntheticCache(len(ids)), self.first_token(ids), seconds
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]], on_layer: RowCallback | None = None,

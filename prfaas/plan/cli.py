@@ -71,7 +71,9 @@ def link_cmd(
     transfer_share: float = typer.Option(0.15, help="share of the end-to-end budget a transfer may take"),
     max_len: int = typer.Option(1 << 21, help="upper bound of the largest-length search"),
     profile: str | None = typer.Option(None, help="speed profile of the prefill instance (`prfaas measure "
-                                       "--json`): its prefill times overlap the predicted transfer"),
+                                       "--json`): its prefill and encoding times overlap the predicted transfer"),
+    mode: str = typer.Option("relay", help="how decode gets the KV: relay (prefill pushes to a relay beside "
+                             "decode) or direct (decode pulls from prefill's store)"),
     as_json: bool = JSON,
 ) -> None:
     """Verdict for shipping KV over a link: every rule with its margin, largest prompt, settings, and the
@@ -91,7 +93,10 @@ def link_cmd(
     from prfaas.plan.options import DEFAULT_LENGTHS, kv_curve
     from prfaas.plan.profile import SpeedProfile
     from prfaas.plan.render import link_table
+    from prfaas.plan.transfer import MODES
 
+    if mode not in MODES:
+        raise InvalidRequest(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     if not 0.0 < transfer_share <= 1.0:
         raise InvalidRequest(f"--transfer-share must be in (0, 1], got {transfer_share}")
     curve = kv_curve(kv, config, model, dtype=dtype, codec=codec, mla_layout=mla_layout,
@@ -115,7 +120,9 @@ def link_cmd(
     speed = SpeedProfile.from_file(profile) if profile else None
     out.update(kv=curve.name, link=spec.__dict__, mix=dist.to_json(), qps=qps,
                transfer=transfer_json(curve, dist, spec, demand_bps(curve, dist, qps),
-                                      (lambda n: speed.prefill_seconds(n) * 1e3) if speed else None))
+                                      (lambda n: speed.prefill_seconds(n) * 1e3) if speed else None,
+                                      (lambda n: (speed.encode_seconds(n, codec) or 0.0) * 1e3) if speed else None,
+                                      mode))
     _emit(out, as_json, link_table)
 
 

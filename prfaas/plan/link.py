@@ -11,8 +11,8 @@ Rules (each reported with value, limit and margin):
   It ignores the overlap of transfer with prefill (layer-wise streaming), so it errs on the safe side.
 
 ``transfer_json`` adds what the serving path will show at that load: the ``transfer_ms`` stage and its exposed
-part for each length of the mix and at its P50 and P99 lengths (the P99 with the tail), with prefill times from a
-speed profile when one is given (``prfaas.plan.transfer``).
+part for each length of the mix and at its P50 and P99 lengths (the P99 with the tail), in relay or direct mode,
+with the prefill and encoding times of a speed profile when one is given (``prfaas.plan.transfer``).
 """
 
 from __future__ import annotations
@@ -100,21 +100,25 @@ def transfer_ms(nbytes: int, link: LinkSpec, load_bps: float) -> float:
 
 
 def transfer_json(curve: KVCurve, mix: LengthDist, link: LinkSpec, load_bps: float,
-                  prefill_ms: Callable[[int], float] | None = None) -> dict[str, Any]:
-    """The serving path's predicted transfer stage and exposed transfer (ms) per length of ``mix`` and at its P50
-    and P99 lengths, at the bandwidth ``load_bps`` leaves; ``prefill_ms`` (a speed profile's) lets the stream
-    overlap the forward pass, without one nothing overlaps. Null where the link is saturated."""
+                  prefill_ms: Callable[[int], float] | None = None, encode_ms: Callable[[int], float] | None = None,
+                  mode: str = "relay") -> dict[str, Any]:
+    """The serving path's predicted transfer stage and exposed transfer (ms) in ``mode`` per length of ``mix`` and
+    at its P50 and P99 lengths, at the bandwidth ``load_bps`` leaves; ``prefill_ms`` and ``encode_ms`` (a speed
+    profile's) let the stream overlap the forward pass, without them nothing overlaps. Null where the link is
+    saturated."""
     free = link.bandwidth_bps - load_bps
-    compute = prefill_ms or (lambda n: 0.0)
+    compute, encode = prefill_ms or (lambda n: 0.0), encode_ms or (lambda n: 0.0)
 
     def one(n: int, tail: float = 0.0) -> dict[str, Any]:
-        t: Transfer = predict(n, curve.kv_bytes(n), compute(n), free, link.rtt_p50_ms, link.mtu)
-        row = {"seq_len": n, "kv_bytes": t.kv_bytes, "prefill_ms": t.prefill_ms, "wire_ms": t.wire_ms + tail,
+        t: Transfer = predict(n, curve.kv_bytes(n), compute(n), free, link.rtt_p50_ms, link.mtu,
+                              encode_ms=encode(n), mode=mode)
+        row = {"seq_len": n, "kv_bytes": t.kv_bytes, "prefill_ms": t.prefill_ms, "encode_ms": t.encode_ms,
+               "instance_prefill_ms": t.instance_prefill_ms, "wire_ms": t.wire_ms + tail,
                "stage_ms": t.stage_ms + tail, "exposed_ms": t.exposed_ms + tail}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
     p50, p99 = one(mix.quantile(0.5)), one(mix.quantile(0.99), tail_ms(link))
-    return {"per_length": [one(n) for n in mix.lengths], "p50": p50, "p99": p99,
+    return {"per_length": [one(n) for n in mix.lengths], "p50": p50, "p99": p99, "mode": mode,
             "free_bandwidth_bps": max(0.0, free), "overlap": prefill_ms is not None}
 
 

@@ -1,6 +1,7 @@
 """Speed profiles (docs/contracts.md): ``{"model", "dtype", "hardware", "prefill": [{"seq_len", "seconds"}],
-"decode": [{"batch", "tpot_seconds"}], "kv": [{"seq_len", "codec", "bytes"}]}``, as ``prfaas measure``
-writes them.
+"decode": [{"batch", "tpot_seconds"}], "kv": [{"seq_len", "codec", "bytes", "encode_seconds"}]}``, as ``prfaas
+measure`` writes them (``encode_seconds``, the time to cut the layers into the blob's checksummed chunks as a
+prefill instance does, is optional: profiles written before it was measured have none).
 """
 
 from __future__ import annotations
@@ -35,11 +36,17 @@ class SpeedProfile:
     prefill: tuple[tuple[int, float], ...]
     decode: tuple[tuple[int, float], ...]
     kv: tuple[tuple[int, str, int], ...]
+    encode: tuple[tuple[int, str, float], ...] = ()
 
     def prefill_seconds(self, seq_len: int) -> float:
         if not self.prefill:
             raise InvalidRequest(f"profile {self.model!r} has no prefill timings")
         return interpolate(self.prefill, seq_len)
+
+    def encode_seconds(self, seq_len: int, codec: str = "none") -> float | None:
+        """Seconds to encode a ``seq_len`` prompt's blob in ``codec``; None where the profile did not time it."""
+        points = tuple(sorted((n, s) for n, c, s in self.encode if c == codec))
+        return interpolate(points, seq_len) if points else None
 
     def kv_points(self, codec: str = "none") -> tuple[tuple[int, int], ...]:
         return tuple(sorted((n, b) for n, c, b in self.kv if c == codec))
@@ -60,10 +67,12 @@ class SpeedProfile:
             decode = tuple(sorted((int(r["batch"]), float(r["tpot_seconds"])) for r in rows))
             kv = tuple((int(r["seq_len"]), str(r.get("codec", "none")), int(r["bytes"]))
                        for r in data.get("kv", []))
+            encode = tuple((int(r["seq_len"]), str(r.get("codec", "none")), float(r["encode_seconds"]))
+                           for r in data.get("kv", []) if r.get("encode_seconds") is not None)
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequest(f"{source}: not a speed profile ({exc})") from exc
         return SpeedProfile(str(data.get("model", source)), str(data.get("dtype", "")),
-                            str(data.get("hardware", "")), prefill, decode, kv)
+                            str(data.get("hardware", "")), prefill, decode, kv, encode)
 
     @staticmethod
     def from_file(path: str | Path) -> SpeedProfile:

@@ -11,14 +11,24 @@ goes at the rate the link leaves free; the last byte then needs half a round tri
 On a long fat link the rounds dominate small blobs: 1 Gbit/s over 50 ms of RTT needs 9 rounds (0.45 s, 7.4 MB)
 before the pipe is full, so a 31.2 MB blob takes 0.72 s, not the 0.25 s of bytes over bandwidth.
 
-The serving path around it (docs/planning.md): the router hands the request to prefill and decode at once;
-prefill hears of it half a round trip later, waits in its queue, and streams chunks while it computes, so the
-transfer as decode sees it (the ``transfer_ms`` stage) and its exposed part (what is left after the forward pass,
-the ``prfaas_transfer_exposed_seconds`` metric) are::
+The serving path around it (docs/planning.md): prefill starts computing when the request reaches it and encodes
+each layer's chunks on its engine thread as the layer finishes, so the instance's prefill (the ``prefill_ms`` stage
+it reports) is the forward pass plus the encoding (``encode_ms``, timed by ``prfaas measure``), and in relay mode
+longer while the push holds more than ``PUSH_QUEUE_BYTES`` the link has not taken. Decode's ``transfer_ms`` stage
+starts when decode hears of the request, which is when prefill answers the router:
 
-    finish  = max(prefill + chunk / B + RTT / 2,  wire(kv))        from the start of prefill
-    stage   = RTT / 2 + queue + finish
-    exposed = stage − queue − prefill
+- relay mode: prefill pushes to the relay beside decode; the push's handshake and the header's round trip (the
+  relay acknowledges a created blob before any chunk goes) come first, and prefill answers once the blob exists,
+  half a round trip from the router, so decode starts 2.5 RTT after prefill;
+- direct mode: prefill answers at once (the blob is in its own store) and decode pulls across the link, its
+  request reaching prefill's store half a round trip after its own handshake.
+
+With ``made`` the queue and the instance's prefill (when the last chunk exists), from the request reaching
+prefill::
+
+    relay:  stage = max(made + chunk / B + RTT / 2,  wire(kv) + RTT) − 2.5 RTT
+    direct: stage = max(made + chunk / B,             wire(kv) + RTT / 2)
+    exposed = max(0, stage − queue − prefill (as the instance reports it))   (the router's metric is clamped too)
 
 Pure functions of the link and the sizes: no I/O.
 """
@@ -26,12 +36,13 @@ Pure functions of the link and the sizes: no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default initial congestion window)
 TCP_IP_OVERHEAD = 52  # IPv4 20 + TCP 20 + timestamps 12
-CHUNK_BYTES = 4 << 20  # the data plane's default chunk (prfaas.kv.state.DEFAULT_CHUNK_BYTES)
+CHUNK_BYTES = 1 << 20  # the data plane's default chunk (prfaas.kv.state.DEFAULT_CHUNK_BYTES)
+PUSH_QUEUE_BYTES = 64 << 20  # what a push holds that the link has not taken (prfaas.services.sinks.PUSH_QUEUE_BYTES)
+MODES = ("relay", "direct")
 
 
 def wire_ms(nbytes: float, rate_bps: float, rtt_ms: float, mtu: int = 1500) -> float:
@@ -51,29 +62,34 @@ def wire_ms(nbytes: float, rate_bps: float, rtt_ms: float, mtu: int = 1500) -> f
 
 @dataclass(frozen=True)
 class Transfer:
-    """One prompt length's predicted transfer: the blob's bytes, the wire time alone, the stage decode measures
-    and its exposed part (all milliseconds)."""
+    """One prompt length's predicted transfer (all milliseconds): the blob's bytes; the forward pass and the
+    encoding of its chunks; the prefill the instance reports (``instance_prefill_ms``: both, or longer while a push
+    holds it back); the wire time alone; the stage decode measures and its exposed part."""
 
     seq_len: int
     kv_bytes: int
     prefill_ms: float
+    encode_ms: float
+    instance_prefill_ms: float
     wire_ms: float
     stage_ms: float
     exposed_ms: float
 
 
 def predict(seq_len: int, kv_bytes: int, prefill_ms: float, rate_bps: float, rtt_ms: float, mtu: int = 1500,
-            queue_ms: float = 0.0, chunk_bytes: int = CHUNK_BYTES) -> Transfer:
-    """The serving path's transfer of one blob (see the module doc)."""
+            queue_ms: float = 0.0, chunk_bytes: int = CHUNK_BYTES, encode_ms: float = 0.0,
+            mode: str = "relay") -> Transfer:
+    """The serving path's transfer of one blob in ``mode`` (see the module doc)."""
     wire = wire_ms(kv_bytes, rate_bps, rtt_ms, mtu)
     last = min(chunk_bytes, kv_bytes) * 8 / rate_bps * 1e3 if rate_bps > 0 else math.inf
-    finish = max(prefill_ms + last + rtt_ms / 2, wire)
-    stage = rtt_ms / 2 + queue_ms + finish
-    return Transfer(seq_len, kv_bytes, prefill_ms, wire, stage, stage - queue_ms - prefill_ms)
-
-
-def predict_mix(lengths: tuple[int, ...], kv_bytes: Callable[[int], int], prefill_ms: Callable[[int], float],
-                rate_bps: float, rtt_ms: float, mtu: int = 1500) -> list[Transfer]:
-    """``predict`` for each length of a mix, prefill times from ``prefill_ms`` (zero without a profile: then
-    nothing overlaps and the whole transfer is exposed)."""
-    return [predict(n, kv_bytes(n), prefill_ms(n), rate_bps, rtt_ms, mtu) for n in lengths]
+    busy = prefill_ms + encode_ms
+    if mode == "relay":
+        # the engine thread encodes its last chunk once all but the push's queue has left (sent: RTT / 2 early)
+        if kv_bytes > PUSH_QUEUE_BYTES:
+            busy = max(busy, wire_ms(kv_bytes - PUSH_QUEUE_BYTES, rate_bps, rtt_ms, mtu) + rtt_ms / 2 - queue_ms)
+        stage = max(queue_ms + busy + last + rtt_ms / 2, wire + rtt_ms) - 2.5 * rtt_ms
+    elif mode == "direct":
+        stage = max(queue_ms + busy + last, wire + rtt_ms / 2)
+    else:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return Transfer(seq_len, kv_bytes, prefill_ms, encode_ms, busy, wire, stage, max(0.0, stage - queue_ms - busy))

@@ -3,6 +3,7 @@ the real blob format, deterministic tokens, and a real deployment serving one (r
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,29 @@ def test_tokens_are_deterministic_and_batch_independent(engine: SyntheticEngine)
     assert rows.argmax(dim=1).tolist() == [next_token(1500, 200), next_token(1600, 300)]
     assert all(1000 <= t < 2000 for t in engine.generate(a, 20))
     assert engine.tokenizer.decode([1234, 1500]) == " syn1234 syn1500"
+
+
+def test_the_last_pass_of_a_chunked_prefill_streams_its_layers_on_schedule() -> None:
+    """As the transformers engine's last pass does: each layer reaches ``on_layer`` between two layers, not all at
+    the end, so the blob's chunks leave while later layers still "compute" (the planner's overlap rests on it), and
+    what ``on_layer`` costs adds to the pass's time, as a real engine's hook does."""
+    engine = load_engine("synthetic-kimi-linear-48b")
+    assert isinstance(engine, SyntheticEngine)
+    prompt = [1000 + i % 256 for i in range(16384)]
+    first_pass = engine.spec.prefill_seconds(4096)
+    last_pass = engine.spec.prefill_seconds(len(prompt), 4096)
+    began, arrivals, hook_s = time.perf_counter(), [], 0.002
+
+    def on_layer(_: object) -> None:
+        arrivals.append(time.perf_counter() - began)
+        time.sleep(hook_s)
+
+    passes = list(engine.prefill_chunks(prompt, lambda done: 4096 if done == 0 else 0, on_layer=on_layer))
+    assert passes[0] is None and len(passes) == 2 and len(arrivals) == engine.num_layers
+    assert arrivals == sorted(arrivals)
+    assert arrivals[0] < first_pass + last_pass / 2 < arrivals[-1]  # the first layer long before the last
+    seconds = passes[1][2]  # type: ignore[index]
+    assert seconds >= first_pass + last_pass + engine.num_layers * hook_s
 
 
 def test_compute_model_grows_with_prompt_and_batch() -> None:

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from prfaas.cli import app
 from prfaas.engine import BUILTIN_MODELS
-from prfaas.engine.measure import mla_layout_of, prompt, run_measure
+from prfaas.engine.measure import encoded, mla_layout_of, prompt, run_measure
+from prfaas.kv import encode_state
 from prfaas.kv.state import ATTENTION_KINDS
 from prfaas.plan import plan_from_path
 
@@ -44,6 +45,14 @@ def test_measure_cli_profile_shape() -> None:
     assert all(r["plan_matches"] for r in none)
     assert all(r["bytes"] > r["tensor_bytes"] for r in none)  # the blob adds header and frames
     assert all(r["phi_kv_gbps"] > 0 for r in out["kv"])
+    assert all(r["encode_seconds"] > 0 for r in out["kv"])  # writing the frames, as a prefill instance does
+
+
+def test_measured_blob_bytes_are_the_whole_blob_as_encode_state_writes_it(engines: Any) -> None:
+    kv = engines("tiny-llama").prefill(prompt(40, 1000)).kv
+    for codec in ("none", "int8"):
+        size, seconds = encoded(kv, codec)
+        assert size == len(encode_state(kv, codec=codec)) and seconds > 0
 
 
 def test_measure_profile_feeds_capacity(tmp_path: Path) -> None:

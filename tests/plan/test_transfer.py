@@ -8,9 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from prfaas.cli import app
+from prfaas.config import TransferConfig
+from prfaas.errors import InvalidRequest
+from prfaas.kv.state import DEFAULT_CHUNK_BYTES
 from prfaas.plan.link import LinkSpec, transfer_ms
-from prfaas.plan.transfer import INITIAL_WINDOW, TCP_IP_OVERHEAD, predict, wire_ms
+from prfaas.plan.transfer import CHUNK_BYTES, INITIAL_WINDOW, PUSH_QUEUE_BYTES, TCP_IP_OVERHEAD, predict, wire_ms
+from prfaas.services import sinks
 from tests.plan.test_cli import FIX, run_json
 
 MSS = 1500 - TCP_IP_OVERHEAD
@@ -39,26 +45,69 @@ def test_a_short_link_is_bytes_over_bandwidth_and_a_round_trip_and_a_half() -> N
     assert wire_ms(1, 0.0, 1) == float("inf")
 
 
-def test_the_exposed_transfer_is_what_is_left_after_prefill() -> None:
+LAST = (1 << 20) * 8 / 1e9 * 1e3  # the last 1 MiB chunk at 1 Gbit/s, in ms
+
+
+def test_decode_starts_when_prefill_answers_and_the_exposed_part_is_what_prefill_leaves() -> None:
+    """Relay mode: the push's handshake and the relay's ack of the header come first and prefill answers the router
+    once the blob exists, so decode's stage starts 2.5 RTT after prefill's; direct mode: prefill answers at once and
+    decode's pull pays its own handshake and request."""
+    wire = wire_ms(31_200_000, 1e9, 10)
     slow = predict(1024, 31_200_000, prefill_ms=2000, rate_bps=1e9, rtt_ms=10)
-    # prefill outlasts the wire: only the last chunk and the trip of the request and of the last byte are exposed
-    assert slow.exposed_ms == pytest.approx((4 << 20) * 8 / 1e9 * 1e3 + 10)
+    # prefill outlasts the wire: the last chunk and its trip land before decode's 2.5 RTT head start runs out
+    assert slow.stage_ms == pytest.approx(2000 + LAST + 5 - 25) and slow.exposed_ms == 0
+    direct = predict(1024, 31_200_000, prefill_ms=2000, rate_bps=1e9, rtt_ms=10, mode="direct")
+    assert direct.stage_ms == pytest.approx(2000 + LAST) and direct.exposed_ms == pytest.approx(LAST)
     fast = predict(1024, 31_200_000, prefill_ms=0, rate_bps=1e9, rtt_ms=10)
-    assert fast.exposed_ms == pytest.approx(fast.stage_ms) == pytest.approx(fast.wire_ms + 5)
+    assert fast.exposed_ms == pytest.approx(fast.stage_ms) == pytest.approx(wire + 10 - 25)
+    assert predict(1024, 31_200_000, 0, 1e9, 10, mode="direct").stage_ms == pytest.approx(wire + 5)
+    with pytest.raises(ValueError, match="mode"):
+        predict(1024, 1, 0, 1e9, 10, mode="sideways")
+
+
+def test_the_instance_prefill_is_the_pass_and_the_encoding_or_the_push_holding_it_back() -> None:
+    """The engine thread encodes each layer's chunks between two layers, so the prefill an instance reports is the
+    forward pass plus the encoding; in relay mode a blob larger than the push's queue holds the engine until all but
+    the queue has left over the link."""
+    small = predict(1024, 31_200_000, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40)
+    assert small.instance_prefill_ms == 140 and small.exposed_ms == pytest.approx(small.stage_ms - 140)
+    big = 200_000_000
+    held = predict(16384, big, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40)
+    assert held.instance_prefill_ms == pytest.approx(wire_ms(big - PUSH_QUEUE_BYTES, 1e9, 10) + 5)
+    assert held.stage_ms == pytest.approx(wire_ms(big, 1e9, 10) + 10 - 25)
+    direct = predict(16384, big, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40, mode="direct")
+    assert direct.instance_prefill_ms == 140  # the blob goes into prefill's own store: nothing holds it back
+
+
+def test_the_models_constants_are_the_data_planes() -> None:
+    assert CHUNK_BYTES == DEFAULT_CHUNK_BYTES == TransferConfig().chunk_bytes
+    assert PUSH_QUEUE_BYTES == sinks.PUSH_QUEUE_BYTES
 
 
 def test_plan_link_reports_the_transfer_stage_with_a_profile(tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"model": "m", "prefill": [{"seq_len": 1024, "seconds": 0.1},
-                                                             {"seq_len": 16384, "seconds": 1.6}]}))
+                                                             {"seq_len": 16384, "seconds": 1.6}],
+                                   "kv": [{"seq_len": 1024, "codec": "none", "bytes": 1, "encode_seconds": 0.02},
+                                          {"seq_len": 16384, "codec": "none", "bytes": 1, "encode_seconds": 0.1}]}))
     link = tmp_path / "link.json"
     link.write_text(json.dumps({"bandwidth_bps": 1e9, "rtt_p50_ms": 50, "rtt_p99_ms": 60}))
-    out = run_json("plan", "link", "--config", str(KIMI), "--dtype", "bfloat16", "--link", str(link), "--profile",
-                   str(profile), "--mix", "hist:1024=1,4096=1,16384=1", "--qps", "0", "--ttft-budget-ms", "2000",
-                   "--json")
-    t = out["transfer"]
-    assert t["overlap"] and [r["seq_len"] for r in t["per_length"]] == [1024, 4096, 16384]
+    args = ["plan", "link", "--config", str(KIMI), "--dtype", "bfloat16", "--link", str(link), "--profile",
+            str(profile), "--mix", "hist:1024=1,4096=1,16384=1", "--qps", "0", "--ttft-budget-ms", "2000", "--json"]
+    t = run_json(*args)["transfer"]
+    assert t["overlap"] and t["mode"] == "relay" and [r["seq_len"] for r in t["per_length"]] == [1024, 4096, 16384]
     assert t["p50"]["seq_len"] == 4096 and t["p99"]["seq_len"] == 16384
     assert t["p50"]["kv_bytes"] == 55_967_744  # the synthetic engine's tensors (prfaas measure: tensor_bytes)
-    assert t["p50"]["stage_ms"] == pytest.approx(25 + wire_ms(55_967_744, 1e9, 50))
-    assert t["p99"]["exposed_ms"] == pytest.approx(t["p99"]["stage_ms"] - 1600)
+    assert t["p50"]["prefill_ms"] == pytest.approx(400) and t["p50"]["encode_ms"] == pytest.approx(36)
+    assert t["p50"]["instance_prefill_ms"] == pytest.approx(436)
+    assert t["p50"]["stage_ms"] == pytest.approx(wire_ms(55_967_744, 1e9, 50) + 50 - 125)
+    assert t["p50"]["exposed_ms"] == pytest.approx(t["p50"]["stage_ms"] - t["p50"]["instance_prefill_ms"])
+    direct = run_json(*args, "--mode", "direct")["transfer"]
+    assert direct["p50"]["stage_ms"] == pytest.approx(wire_ms(55_967_744, 1e9, 50) + 25)
+    assert direct["p50"]["instance_prefill_ms"] == pytest.approx(436)
+
+
+def test_plan_link_refuses_an_unknown_mode() -> None:
+    res = CliRunner().invoke(app, ["plan", "link", "--config", str(KIMI), "--bandwidth", "1gbit", "--rtt-ms", "5",
+                                   "--qps", "1", "--ttft-budget-ms", "2000", "--mode", "sideways"])
+    assert isinstance(res.exception, InvalidRequest) and "--mode must be one of relay, direct" in str(res.exception)
