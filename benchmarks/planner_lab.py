@@ -42,9 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from prfaas.bench.background import start_up, stop_up
 from prfaas.bench.client import RequestRecord, request_body, send
+from prfaas.bench.fair import tree_cpu_s
 from prfaas.bench.provenance import provenance
 from prfaas.bench.stats import percentile
 from prfaas.lab import Lab, LinkSettings, Topology
@@ -239,8 +241,20 @@ def grid(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     return list(itertools.product(rates, rtts, losses))
 
 
+def cpu_use(host_before: Any, deployment_before: float, wall_before: float, up_pid: int,
+            kv_bytes: int) -> dict[str, float]:
+    """What the requests of a setting cost this host: the share of all its cores busy (every process: the
+    deployment, the lab's delay line, this client), and the deployment's processes' CPU seconds per GB of KV."""
+    host, wall = psutil.cpu_times(), time.perf_counter() - wall_before
+    idle = (host.idle + getattr(host, "iowait", 0.0)) - (host_before.idle + getattr(host_before, "iowait", 0.0))
+    total = sum(host) - sum(host_before)
+    deployment = tree_cpu_s(up_pid) - deployment_before
+    return {"host_busy_share": round(1 - idle / total, 3) if total > 0 else 0.0, "wall_s": round(wall, 2),
+            "deployment_cpu_s_per_gb": round(deployment / kv_bytes * 1e9, 3) if kv_bytes else 0.0}
+
+
 def run_setting(lab: Lab, url: str, rate: str, rtt_ms: float, loss: float, tmp: Path, profile_file: Path,
-                profile: dict[str, Any], repeats: int) -> dict[str, Any]:
+                profile: dict[str, Any], repeats: int, up_pid: int) -> dict[str, Any]:
     settings = LinkSettings(rate=rate, delay_ms=rtt_ms / 2, loss=loss)
     lab.reset(settings)
     probed = probe(lab)
@@ -250,8 +264,11 @@ def run_setting(lab: Lab, url: str, rate: str, rtt_ms: float, loss: float, tmp: 
     blob = {int(r["seq_len"]): int(r["bytes"]) for r in profile["kv"]}
     tcp = reference(lab, [blob[n] for n in LENGTHS for _ in range(2)])
     load_before = provenance()["machine"]["load_average"]  # type: ignore[index]
+    host_before, deployment_before, wall_before = psutil.cpu_times(), tree_cpu_s(up_pid), time.perf_counter()
     records = asyncio.run(serve(url, list(LENGTHS) * repeats, seed=int(rtt_ms * 10 + loss * 1000)))
     got = measured(records)
+    got["cpu"] = cpu_use(host_before, deployment_before, wall_before, up_pid,
+                         sum(int(r.prfaas.get("kv_bytes") or 0) for r in records if r.ok))
     verdict = measured_verdict(predicted, probed, got)
     row = {"rate": rate, "rtt_ms": rtt_ms, "loss_pct": loss * 100, "asked": settings.to_json(),
            "probe": {k: probed.get(k) for k in ("bandwidth_bps", "rtt_p50_ms", "rtt_p99_ms", "jitter_ms", "loss",
@@ -301,7 +318,7 @@ def run_grid(args: argparse.Namespace, tmp: Path) -> None:
             url = f"http://{TOPO.wires[0].public}:{PORT}"
             asyncio.run(serve(url, [LENGTHS[0]], seed=99))  # warm-up: connections opened, first request paid
             for rate, rtt_ms, loss in grid(args):
-                row = run_setting(lab, url, rate, rtt_ms, loss, tmp, profile_file, profile, args.repeats)
+                row = run_setting(lab, url, rate, rtt_ms, loss, tmp, profile_file, profile, args.repeats, proc.pid)
                 rows.append(row)
                 write_report(args, profile, rows, began)
                 print(line(row), flush=True)
@@ -334,7 +351,8 @@ def line(row: dict[str, Any]) -> str:
     return (f"{row['rate']:>6} RTT {row['rtt_ms']:4.0f} ms loss {row['loss_pct']:3.0f} %  probe "
             f"{p['bandwidth_bps'] / 1e9:5.2f} Gbit/s {p['rtt_p50_ms']:6.2f} ms  remote {row['measured']['remote']:2}  "
             f"{err}  verdict {c['verdict_predicted']} / {c['verdict_measured']}  bytes "
-            f"{'exact' if c['kv_bytes_plan_exact'] and c['kv_bytes_served_exact'] else 'DIFFER'}")
+            f"{'exact' if c['kv_bytes_plan_exact'] and c['kv_bytes_served_exact'] else 'DIFFER'}  cores busy "
+            f"{row['measured']['cpu']['host_busy_share']:.0%}")
 
 
 if __name__ == "__main__":
