@@ -276,7 +276,7 @@ class SyntheticEngine(EngineBase):
 
     def prefill_cache(self, token_ids: Sequence[int], on_layer: LayerCallback | None = None,
                       sampling: SamplingParams | None = None, step: int = 0) -> ChunkResult:
-        """Sleep the modelled prefill time layer by layer, handing each layer to ``on_layer`` when it is due."""
+        """Sleep the modelled prefill time layer by layer, handing each layer to ``on_layer`` (``_layers``)."""
         ids = self.check_prompt(token_ids)
         started = time.perf_counter()
         self._layers(self.spec.prefill_seconds(len(ids)), len(ids), on_layer)
