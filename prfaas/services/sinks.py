@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -84,7 +85,10 @@ class PushSink:
         self._queued = 0  # bytes handed over that the connection has not taken yet (guarded by _room)
         self._refused: PrfaasError | None = None
         self._ended = False
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue()  # bounded by _queued, which every put counts
+        # One queue for both threads, in the order the frames were handed over (guarded by _room): the engine
+        # thread's last chunks come before the trailer ``finish`` adds, however late the loop wakes for them.
+        self._pending: deque[bytes] = deque()
+        self._arrived = asyncio.Event()  # set on the loop when _pending may have grown
         self._created: asyncio.Future[None] = self._loop.create_future()
         self._add(header)
         self._task = asyncio.create_task(push(address, kv_id, self._frames(), ssl=tls,
@@ -108,11 +112,12 @@ class PushSink:
 
     def hand_over(self, frames: list[bytes]) -> None:
         for frame in frames:
-            if not self._wait_room(len(frame)):
+            if not self._wait_room(frame):
                 return  # refused or ended: nothing more is queued; finish raises why
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, frame)
+            self._loop.call_soon_threadsafe(self._arrived.set)
 
-    def _wait_room(self, n: int) -> bool:
+    def _wait_room(self, frame: bytes) -> bool:
+        n = len(frame)
         wait_s = 0.0 if threading.get_ident() == self._loop_thread else self._timeout_s  # the loop cannot wait
         with self._room:
             fits = self._room.wait_for(lambda: self._ended or self._queued == 0 or self._queued + n <= self._limit,
@@ -125,19 +130,29 @@ class PushSink:
                 self._loop.call_soon_threadsafe(self._task.cancel)
                 return False
             self._queued += n
+            self._pending.append(frame)
             return True
 
     def _add(self, frame: bytes) -> None:
         """Event loop: queue a frame without waiting (the header, the last layer and the trailer)."""
         with self._room:
             self._queued += len(frame)
-        self._queue.put_nowait(frame)
+            self._pending.append(frame)
+        self._arrived.set()
 
     async def _frames(self) -> AsyncIterator[bytes]:
-        while frame := await self._queue.get():  # an empty frame marks the end
+        while True:
             with self._room:
-                self._queued -= len(frame)
-                self._room.notify_all()
+                frame = self._pending.popleft() if self._pending else None
+                if frame is not None:
+                    self._queued -= len(frame)
+                    self._room.notify_all()
+            if frame is None:
+                self._arrived.clear()  # a later hand-over sets it again: its callback runs after this one
+                await self._arrived.wait()
+                continue
+            if not frame:  # an empty frame marks the end
+                return
             yield frame
 
     def _on_created(self) -> None:
@@ -151,9 +166,8 @@ class PushSink:
 
     async def finish(self, frames: list[bytes]) -> None:
         if self._refused is None:
-            for frame in frames:
+            for frame in [*frames, b""]:
                 self._add(frame)
-            self._queue.put_nowait(b"")
         try:
             await self._task
         except asyncio.CancelledError:

@@ -48,6 +48,30 @@ def test_ready_means_the_relay_holds_the_blob_and_a_bounded_push_delivers_it_who
     run(scenario)
 
 
+def test_frames_the_engine_thread_handed_over_go_before_the_trailer_however_late_the_loop_wakes() -> None:
+    state = make_state(layers=4, tokens=64)
+    kv_id, frames = blob_frames(state, chunk_size=4 * KiB)
+
+    async def scenario() -> None:
+        store = BlobStore(64 * MiB, 60.0)
+        server = TransferServer(store)
+        address = f"127.0.0.1:{await server.start()}"
+        try:
+            sink = PushSink(address, kv_id, frames[0], timeout_s=5.0, tls=None)
+            await sink.ready()
+            producer = threading.Thread(target=sink.hand_over, args=(frames[1:-2],))
+            producer.start()
+            producer.join()  # the loop has not run a single callback of the hand-over yet
+            await sink.finish(frames[-2:])
+            assert_same(state, await pull(address, kv_id, BlobReader(), timeout_s=5.0))
+            await release(address, kv_id)
+            assert_clean(store)
+        finally:
+            await server.close()
+
+    run(scenario)
+
+
 def test_a_relay_that_stops_reading_bounds_the_queue_then_refuses_the_push() -> None:
     frame = b"C" + bytes(256 * KiB - 1)  # never parsed: the peer reads nothing
     limit, timeout_s = 1 * MiB, 1.0
