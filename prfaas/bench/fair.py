@@ -20,6 +20,8 @@ from typing import Any
 # vLLM's engine core logs its whole config once at start: "Initializing a V1 LLM engine (v0.32.0) with config:
 # model='...', ..., dtype=torch.bfloat16, ..., kv_cache_dtype=auto, ...". `\b` keeps kv_cache_dtype out.
 _VLLM_ENGINE = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\) with config: .*?\bdtype=torch\.(\w+)")
+# the same line's "enforce_eager=True|False": eager runs vLLM's custom ops one by one, without its torch.compile graph
+_VLLM_EAGER = re.compile(r"Initializing a V1 LLM engine .*?\benforce_eager=(True|False)")
 _VLLM_NO_PRELOAD = re.compile(r"(lib\w+) is not found in LD_PRELOAD")
 # per-request and per-tensor lines that would push what a reader needs (settings, warnings, errors) out of a tail
 _VLLM_NOISE = ('"POST /v1/', '"GET /health', "Attempted to load weight")
@@ -62,18 +64,22 @@ def tpot_s(started: float, count: StreamCount) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class VllmStart:
-    """What vLLM's start-up log says it runs: its version, the model dtype, and the preloads it found missing."""
+    """What vLLM's start-up log says it runs: its version, the model dtype, the preloads it found missing, and
+    whether it runs eagerly (``--enforce-eager``: no ``torch.compile``, no CUDA graphs; None: not said)."""
 
     version: str | None
     dtype: str | None
     missing_preloads: tuple[str, ...]
+    eager: bool | None = None
 
 
 def vllm_start(log: str) -> VllmStart:
     """Parse vLLM's log (its engine-config line and its LD_PRELOAD warnings)."""
     found = _VLLM_ENGINE.search(log)
     missing = tuple(dict.fromkeys(_VLLM_NO_PRELOAD.findall(log)))
-    return VllmStart(found.group(1) if found else None, found.group(2) if found else None, missing)
+    eager = _VLLM_EAGER.search(log)
+    return VllmStart(found.group(1) if found else None, found.group(2) if found else None, missing,
+                     eager.group(1) == "True" if eager else None)
 
 
 def log_tail(log: str, lines: int = 40) -> list[str]:

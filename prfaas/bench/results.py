@@ -49,7 +49,7 @@ def _cols(*names: str) -> tuple[tuple[str, str], ...]:
 
 PY = ".venv/bin/python "
 ENGINE = View("decode throughput (median over the rounds, with min and max)", "rows", _cols(
-    "model", "system", "concurrency", "rounds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+    "model", "system", "concurrency", "rounds", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "vs_vllm",
     "tpot_p50_ms", "tpot_p99_ms", "ttft_p50_ms", "cpu_s_per_1k_tokens", "loadavg_before", "loadavg_after",
     "overloaded"))
 TRANSPORT = (

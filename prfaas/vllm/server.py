@@ -89,6 +89,16 @@ def resolve_model(model: str, dtype: str) -> tuple[str, str]:
     return str(answer["model_dir"]), str(answer["dtype"])
 
 
+def eager() -> list[str]:
+    """``--enforce-eager`` where ``$PRFAAS_VLLM_EAGER`` is 1: vLLM then runs its operators one by one, without its
+    ``torch.compile`` graph (and CUDA graphs on a GPU), and starts in about a third of the time. Otherwise vLLM's own
+    default, its graph: on 2 CPU cores it decoded 1.15x as fast (``benchmarks/engine.py``'s two vLLM rows)."""
+    value = os.environ.get("PRFAAS_VLLM_EAGER", "0")
+    if value not in ("0", "1"):
+        raise InvalidRequest(f"PRFAAS_VLLM_EAGER must be 0 or 1, not {value!r}")
+    return ["--enforce-eager"] if value == "1" else []
+
+
 def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
         probe.bind((host, 0))
@@ -121,7 +131,7 @@ class VllmServer:
                                                 "tcp_file": self.tcp_file}}
         return [vllm_python(), "-m", "prfaas.vllm.launch", "serve", self.spec.model_dir,
                 "--served-model-name", self.spec.served_name, "--host", "127.0.0.1", "--port", str(self.port),
-                "--dtype", self.spec.dtype, "--enforce-eager", "--no-enable-prefix-caching",
+                "--dtype", self.spec.dtype, *eager(), "--no-enable-prefix-caching",
                 "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",  # a recompute shows in usage
                 "--max-model-len", os.environ.get("PRFAAS_VLLM_MAX_MODEL_LEN", "4096"),
                 "--kv-transfer-config", json.dumps(config), *shlex.split(os.environ.get("PRFAAS_VLLM_ARGS", ""))]

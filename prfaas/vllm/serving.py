@@ -49,7 +49,7 @@ from prfaas.messages import GenerateRequest, PrefillRequest, SamplingParams, Tcp
 from prfaas.services.instance import Instance
 from prfaas.tenancy.clusters import DEFAULT_POLICY, ClusterPolicy
 from prfaas.transfer.abandon import release_abandoned
-from prfaas.vllm.server import LaunchSpec, VllmServer, free_port, resolve_model, vllm_python
+from prfaas.vllm.server import LaunchSpec, VllmServer, eager, free_port, resolve_model, vllm_python
 
 CREATION_GRACE_S = 5.0  # relay mode: the push that creates the blob may be a moment behind vLLM's answer
 TIMEOUT = httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0)
@@ -59,7 +59,8 @@ def start(instance: Instance) -> VllmPrefill | VllmDecode:
     """Start this instance's vLLM server (bounded), fill in what the instance advertises, and return the role's
     service; the server is stopped when the instance closes (or here, if anything fails)."""
     options, config = instance.options, instance.config
-    vllm_python()  # a missing vLLM says so first, before the model is resolved
+    vllm_python()  # a missing vLLM, or a bad setting of it, says so first, before the model is resolved
+    eager()
     model_dir, dtype = resolve_model(options.model, options.dtype)
     extra = _connector_settings(config)
     if options.role == "prefill":

@@ -33,17 +33,20 @@ def test_a_stream_without_usage_is_refused() -> None:
 
 VLLM_LOG = """(APIServer pid=1) INFO [api_utils.py:286] non-default args: {'dtype': 'float32'}
 (EngineCore pid=2) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: model='/m', \
-speculative_config=None, dtype=torch.bfloat16, max_seq_len=2048, kv_cache_dtype=auto, device_config=cpu
+speculative_config=None, dtype=torch.bfloat16, max_seq_len=2048, enforce_eager=False, kv_cache_dtype=auto, \
+device_config=cpu
 (Worker pid=3) WARNING [cpu_worker.py:120] libtcmalloc is not found in LD_PRELOAD. For best performance, ...
 (Worker pid=3) WARNING [cpu_worker.py:120] libtcmalloc is not found in LD_PRELOAD. For best performance, ...
 """
 
 
-def test_vllm_log_gives_version_dtype_and_missing_preloads() -> None:
+def test_vllm_log_gives_version_dtype_compilation_and_missing_preloads() -> None:
     start = vllm_start(VLLM_LOG)
     # the engine's own dtype, not the one asked for and not kv_cache_dtype
     assert (start.version, start.dtype, start.missing_preloads) == ("0.32.0", "bfloat16", ("libtcmalloc",))
-    assert vllm_start("nothing useful").dtype is None
+    assert start.eager is False
+    assert vllm_start(VLLM_LOG.replace("enforce_eager=False", "enforce_eager=True")).eager is True
+    assert vllm_start("nothing useful").dtype is None and vllm_start("nothing useful").eager is None
     noisy = VLLM_LOG + 'INFO: 127.0.0.1:1 - "POST /v1/completions HTTP/1.1" 200 OK\n' * 50
     assert log_tail(noisy, 2) == VLLM_LOG.splitlines()[-2:]
 

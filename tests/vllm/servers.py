@@ -31,13 +31,17 @@ VENV = ROOT / ".venv-vllm"
 INSTALLED = (VENV / ".installed").exists()
 NEEDS_VLLM = pytest.mark.skipif(not INSTALLED, reason="vLLM's CPU build is not installed here: run `make vllm` "
                                 "(scripts/install-vllm.sh)")
-START_S = 240.0  # two servers started together on 2 cores: about 50-90 s
+START_S = 240.0  # two servers started together on 2 cores: about 50-90 s (eager)
+COMPILED_START_S = 480.0  # the same compiling vLLM's graph, the first time on a machine (then it is cached)
 MODEL = "smollm2"
 # vLLM's CPU build reserves one CPU for its scheduler process and, with any KV connector configured, one more (for
 # NIXL's transfers) before it binds its OpenMP threads to the rest, or to every CPU where that leaves none: on 2
 # CPUs a server without a connector computes on one thread, one with PrfaasConnector on two. A baseline without a
 # connector gets the same reservation, so that it computes on the same threads as the servers it is compared with.
 CONNECTOR_CPUS = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "2"}
+# `prfaas up --engine vllm` runs vLLM's compiled graph unless told otherwise; its deployments in tests run eagerly, a
+# third of the start-up (test_connector.py's pair runs the graph).
+EAGER = {"PRFAAS_VLLM_EAGER": "1"}
 
 
 @dataclass
@@ -55,16 +59,17 @@ class Server:
 
 
 def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None, *, name: str = MODEL,
-          args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Server:
+          args: tuple[str, ...] = (), env: dict[str, str] | None = None, eager: bool = True) -> Server:
     """``prfaas.vllm.launch serve`` on a free port, with ``PrfaasConnector`` as ``role`` (None: plain vLLM),
     serving ``model_dir`` as ``name``; ``args`` are appended to vLLM's command line (``--block-size 32``), ``env``
-    to its environment (``CONNECTOR_CPUS``)."""
+    to its environment (``CONNECTOR_CPUS``); ``eager``: ``--enforce-eager`` (else vLLM compiles its graph, as
+    ``prfaas up --engine vllm`` lets it by default)."""
     port = free_port()
     config = {"kv_connector": "PrfaasConnector", "kv_connector_module_path": "prfaas.vllm.connector",
               "kv_role": role, "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra or {}}
     cmd = [str(VENV / "bin" / "python"), "-m", "prfaas.vllm.launch", "serve", str(model_dir),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching",
+           *(["--enforce-eager"] if eager else []), "--max-model-len", "1024", "--no-enable-prefix-caching",
            *(["--kv-transfer-config", json.dumps(config)] if role else []), *args]
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in _stop)
@@ -72,8 +77,8 @@ def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
 
-def wait_healthy(servers: list[Server]) -> None:
-    deadline = time.monotonic() + START_S
+def wait_healthy(servers: list[Server], start_s: float = START_S) -> None:
+    deadline = time.monotonic() + start_s
     waiting = list(servers)
     while waiting:
         for server in list(waiting):
@@ -81,7 +86,7 @@ def wait_healthy(servers: list[Server]) -> None:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
                     waiting.remove(server)
-        assert time.monotonic() < deadline, f"vLLM not healthy in {START_S} s:\n{waiting[0].tail()}"
+        assert time.monotonic() < deadline, f"vLLM not healthy in {start_s} s:\n{waiting[0].tail()}"
         time.sleep(1)
 
 

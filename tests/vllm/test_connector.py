@@ -31,6 +31,7 @@ from prfaas.kv.kvid import new_kv_id
 from prfaas.transfer import client
 from tests.services.deploy import free_port
 from tests.vllm.servers import (
+    COMPILED_START_S,
     MODEL,
     NEEDS_VLLM,
     Server,
@@ -119,12 +120,13 @@ def pair() -> Iterator[Pair]:
     model_dir = models.smollm2_dir()
     kv_address, relay = f"127.0.0.1:{free_port()}", Relay()
     relay.upstream = kv_address
-    prefill = start(model_dir, "kv_producer", {"kv_address": kv_address, "relays": [relay.address]})
-    decode = start(model_dir, "kv_consumer", {"creation_grace_s": 1, "kv_deadline_s": 20})
+    # vLLM's default, its compiled graph (as `prfaas up --engine vllm` runs it): the connector's hooks run inside it
+    prefill = start(model_dir, "kv_producer", {"kv_address": kv_address, "relays": [relay.address]}, eager=False)
+    decode = start(model_dir, "kv_consumer", {"creation_grace_s": 1, "kv_deadline_s": 20}, eager=False)
     left: list[int] = []
     try:
         started = time.monotonic()
-        wait_healthy([prefill, decode])
+        wait_healthy([prefill, decode], COMPILED_START_S)
         print(f"vLLM producer and consumer healthy in {time.monotonic() - started:.1f} s")
         yield Pair(prefill, decode, kv_address, relay, complete(prefill, BODY))
         assert wait_no_blobs(kv_address), "blobs left in the producer's store"

@@ -27,7 +27,7 @@ import pytest
 
 from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying
-from tests.vllm.servers import NEEDS_VLLM, deployed_servers
+from tests.vllm.servers import EAGER, NEEDS_VLLM, deployed_servers
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 24
@@ -63,7 +63,7 @@ class Streamed:
 def up() -> Iterator[Up]:
     left: list[int] = []
     with deployment(MODEL, "direct", threshold=0,
-                    extra=("--engine", "vllm", "--dtype", "float32", "--decode", "2")) as (url, proc):
+                    extra=("--engine", "vllm", "--dtype", "float32", "--decode", "2"), env=EAGER) as (url, proc):
         decodes = deployed_servers(proc.pid, "kv_consumer")
         assert len(decodes) == 2, decodes
         yield Up(url, proc, decodes, _reference(next(iter(decodes.values()))))

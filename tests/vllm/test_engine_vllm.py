@@ -33,7 +33,7 @@ import pytest
 
 from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying
-from tests.vllm.servers import NEEDS_VLLM
+from tests.vllm.servers import EAGER, NEEDS_VLLM
 
 REQUEST_S = 120.0
 DRAIN_S = 90.0
@@ -49,7 +49,7 @@ pytestmark = [
 @pytest.fixture(scope="module", params=["relay", "direct"])
 def up(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
     with deployment("smollm2-135m", request.param, threshold=0,
-                    extra=("--engine", "vllm", "--dtype", "float32")) as (url, proc):
+                    extra=("--engine", "vllm", "--dtype", "float32"), env=EAGER) as (url, proc):
         yield url, proc
 
 

@@ -48,7 +48,7 @@ from prfaas.store.memory import BlobStore
 from prfaas.transfer import client
 from tests.services.deploy import alive, deployment, descendants, line_saying, tls_dir
 from tests.transfer.helpers import fill
-from tests.vllm.servers import NEEDS_VLLM, StoreThread
+from tests.vllm.servers import EAGER, NEEDS_VLLM, StoreThread
 
 MODEL = "smollm2-135m"
 MAX_TOKENS = 20
@@ -89,7 +89,7 @@ class Up:
 def up() -> Iterator[Up]:
     left: list[int] = []
     with deployment(MODEL, "relay", threshold=0,
-                    extra=("--engine", "vllm", "--dtype", "float32", "--tls")) as (url, proc):
+                    extra=("--engine", "vllm", "--dtype", "float32", "--tls"), env=EAGER) as (url, proc):
         decode_port = _vllm(proc, "kv_consumer")[1]
         token_ids = _tokenize(decode_port)
         yield Up(url, proc, tls_dir(proc), token_ids, _local_text(decode_port, token_ids))

@@ -14,7 +14,7 @@ import pytest
 
 from prfaas.events import Done, Stages, Token, generate_event
 from prfaas.messages import MAX_TCP_PEERS, GenerateRequest, SamplingParams, TcpPeer
-from prfaas.vllm.server import parse_load, read_tcp_peers
+from prfaas.vllm.server import LaunchSpec, VllmServer, parse_load, read_tcp_peers
 from prfaas.vllm.serving import known_first, recomputed_tokens
 
 SERVE_S = 60.0
@@ -41,6 +41,21 @@ def test_what_vllm_cannot_serve_is_refused(args: tuple[str, ...], said: str) -> 
     env = {"PRFAAS_VLLM_PYTHON": sys.executable}  # present, so the model's own check is what refuses
     done = _serve(*args, env=env)
     assert done.returncode == 2 and said in done.stderr, done.stderr
+
+
+def test_a_bad_eager_setting_is_refused_and_eager_is_vllms_own_choice_unless_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    done = _serve("--engine", "vllm", env={"PRFAAS_VLLM_PYTHON": sys.executable, "PRFAAS_VLLM_EAGER": "yes"})
+    assert done.returncode == 2 and "PRFAAS_VLLM_EAGER must be 0 or 1, not 'yes'" in done.stderr, done.stderr
+    monkeypatch.setenv("PRFAAS_VLLM_PYTHON", sys.executable)
+    monkeypatch.delenv("PRFAAS_VLLM_EAGER", raising=False)
+    server = VllmServer(LaunchSpec("/m", "m", "float32", "kv_consumer"))
+    try:
+        assert "--enforce-eager" not in server.command()  # vLLM's default: its compiled graph
+        monkeypatch.setenv("PRFAAS_VLLM_EAGER", "1")
+        assert "--enforce-eager" in server.command()
+    finally:
+        server.stop()  # its scratch directory goes
 
 
 def test_load_is_read_from_vllms_metrics() -> None:
