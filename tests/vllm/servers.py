@@ -57,6 +57,13 @@ class Server:
     def tail(self) -> str:
         return self.text()[-4000:]
 
+    def first_error(self) -> str:
+        """The log from its first error or traceback on (60 lines): vLLM's engine process logs the root cause
+        there, and the API server's own traceback, which fills the tail, only says that the engine failed."""
+        lines = self.text().splitlines()
+        first = next((i for i, line in enumerate(lines) if " ERROR " in line or line.startswith("Traceback")), None)
+        return "(none logged)" if first is None else "\n".join(lines[first:first + 60])
+
 
 def start(model_dir: Path, role: str | None, extra: dict[str, Any] | None = None, *, name: str = MODEL,
           args: tuple[str, ...] = (), env: dict[str, str] | None = None, eager: bool = True) -> Server:
@@ -82,7 +89,8 @@ def wait_healthy(servers: list[Server], start_s: float = START_S) -> None:
     waiting = list(servers)
     while waiting:
         for server in list(waiting):
-            assert server.proc.poll() is None, f"vLLM exited during start-up:\n{server.tail()}"
+            assert server.proc.poll() is None, (f"vLLM exited during start-up; its first error:\n"
+                                                f"{server.first_error()}\n…its log's end:\n{server.tail()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
                     waiting.remove(server)
