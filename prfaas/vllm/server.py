@@ -91,8 +91,8 @@ def resolve_model(model: str, dtype: str) -> tuple[str, str]:
 
 def eager() -> list[str]:
     """``--enforce-eager`` where ``$PRFAAS_VLLM_EAGER`` is 1: vLLM then runs its operators one by one, without its
-    ``torch.compile`` graph (and CUDA graphs on a GPU), and starts in about a third of the time. Otherwise vLLM's own
-    default, its graph: on 2 CPU cores it decoded 1.15x as fast (``benchmarks/engine.py``'s two vLLM rows)."""
+    ``torch.compile`` graph (and CUDA graphs on a GPU), and starts sooner. Otherwise vLLM's own default, its graph
+    (docs/vllm.md gives what each costs)."""
     value = os.environ.get("PRFAAS_VLLM_EAGER", "0")
     if value not in ("0", "1"):
         raise InvalidRequest(f"PRFAAS_VLLM_EAGER must be 0 or 1, not {value!r}")

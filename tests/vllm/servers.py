@@ -32,7 +32,7 @@ INSTALLED = (VENV / ".installed").exists()
 NEEDS_VLLM = pytest.mark.skipif(not INSTALLED, reason="vLLM's CPU build is not installed here: run `make vllm` "
                                 "(scripts/install-vllm.sh)")
 START_S = 240.0  # two servers started together on 2 cores: about 50-90 s (eager)
-COMPILED_START_S = 480.0  # the same compiling vLLM's graph, the first time on a machine (then it is cached)
+COMPILED_START_S = 480.0  # the same compiling vLLM's graph: about 150-160 s here, cache or not
 MODEL = "smollm2"
 # vLLM's CPU build reserves one CPU for its scheduler process and, with any KV connector configured, one more (for
 # NIXL's transfers) before it binds its OpenMP threads to the rest, or to every CPU where that leaves none: on 2
