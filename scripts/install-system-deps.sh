@@ -14,6 +14,7 @@ PACKAGES=(
   libtcmalloc-minimal4  # benchmarks/engine.py: the tcmalloc preload vLLM's CPU docs recommend for vLLM
   openssl    # prfaas bench transfer --tls, TLS tests: throw-away certificates
   prometheus  # deploy/prometheus: `promtool test rules` on the alert rules (tests/test_alerts.py)
+  g++        # prfaas/engine/native.py: builds the engine's CPU decode attention kernel
 )
 
 missing=()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _installed = False
+KERNEL = "prfaas_decode_kernel"  # the attribute ``use_kernel`` sets on an attention layer
 _GPU_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -71,8 +72,37 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, dim)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
+    kernel = getattr(module, KERNEL, None)
+    if kernel is not None and _fits(packed, key, value, attention_mask):
+        rows_mask = None if attention_mask is None else attention_mask[:, 0, 0, :]
+        out = kernel(packed, key, value, rows_mask, dim ** -0.5 if scaling is None else scaling)
+    else:
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_kernel(model: torch.nn.Module, kernel: Any) -> int:
+    """Let ``model``'s attention layers run one-token queries on ``kernel`` (``native.decode_attention``, on the
+    CPU) where it fits them; returns how many layers it was given to."""
+    given = 0
+    for module in model.modules():
+        if hasattr(module, "num_key_value_groups"):
+            setattr(module, KERNEL, kernel)
+            given += 1
+    return given
+
+
+def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """The kernel takes this call: CPU tensors of one dtype, a head dim it takes, rows' last dimension
+    contiguous, and no mask or a boolean one per row over the keys (what transformers builds for a decode step)."""
+    from prfaas.engine.native import MAX_HEAD_DIM
+
+    if query.device.type != "cpu" or query.shape[-1] > MAX_HEAD_DIM or value.shape[-1] != query.shape[-1]:
+        return False
+    if not query.dtype == key.dtype == value.dtype or any(t.stride(-1) != 1 for t in (query, key, value)):
+        return False
+    return mask is None or (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[1] == mask.shape[2] == 1
+                            and mask.shape[0] == query.shape[0] and mask.shape[-1] == key.shape[-2])
 
 
 def _folded(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, fold: Fold,

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import xxhash
 
-from prfaas.engine import attention, models
+from prfaas.engine import attention, models, native
 from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import TransformersEngine
@@ -26,17 +26,19 @@ T = TypeVar("T")
 
 
 def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int | None = None,
-                packed: bool = True, device: str = "cpu") -> EngineBase:
+                packed: bool = True, device: str = "cpu", kernels: bool = True) -> EngineBase:
     """Load a model for prefill and decode on ``device`` (``cpu``, ``cuda``, ``cuda:N``, or ``auto``: the GPU where
     torch sees one); ``packed``: on the CPU, its linear layers on weights prepacked for oneDNN (``packed.py``; off
-    only to measure what packing gains). The fingerprint does not name the device: KV made on a GPU restores on a
-    CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for bit).
+    only to measure what packing gains); ``kernels``: on the CPU, decode attention on prfaas's own kernel where it
+    builds (``native.py``; off only to measure what it gains). The fingerprint does not name the device: KV made on
+    a GPU restores on a CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for
+    bit).
 
     The load, and the two tiny prefills behind ``layer_table`` and ``kv_footprint`` (a service reads both as it
     starts), run on a thread of their own that ends with them (``on_passing_thread``): the caller's thread is left
     without an OpenMP pool, and the thread that then runs the engine owns the process's only one."""
     def load() -> EngineBase:
-        engine = _load_engine(spec, dtype, threads, packed, device)
+        engine = _load_engine(spec, dtype, threads, packed, device, kernels)
         _ = engine.layer_table, engine.kv_footprint
         return engine
 
@@ -68,7 +70,8 @@ def on_passing_thread(work: Callable[[], T]) -> T:
     return result[0]
 
 
-def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, device: str) -> EngineBase:
+def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, device: str,
+                 kernels: bool) -> EngineBase:
     if spec.startswith("synthetic-"):  # KV sizes and timings of a large model, no weights (synthetic.py)
         from prfaas.engine.synthetic import load_synthetic
 
@@ -87,8 +90,12 @@ def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, devic
     fingerprint = _fingerprint(model, tokenizer, name, dtype)  # over the weights as loaded, before packing
     if target.type != "cpu":
         model.to(target)
-    elif packed:
-        pack(model)
+    else:
+        if packed:
+            pack(model)
+        kernel = native.decode_attention() if kernels else None
+        if kernel is not None:
+            attention.use_kernel(model, kernel)
     return TransformersEngine(model, tokenizer, name, fingerprint, root=str(root))
 
 

@@ -121,7 +121,7 @@ import torch
 from prfaas.engine import loader
 before = set(os.listdir("/proc/self/task"))
 if sys.argv[1] == "here":
-    engine = loader._load_engine("tiny-llama", "float32", None, True, "cpu")
+    engine = loader._load_engine("tiny-llama", "float32", None, True, "cpu", True)
     _ = engine.layer_table, engine.kv_footprint
 else:
     engine = loader.load_engine("tiny-llama")
