@@ -7,16 +7,19 @@ heads of its group, in float32, skipping the positions the row's mask leaves out
 times a step with and without it).
 
 The first use on a machine builds it into torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
-``~/.cache/torch_extensions``: about 10 s on 2 cores, once per source and instruction set; ``make`` builds it at
-set-up, with ``main``); every later process loads the cached library. Where it cannot be
-built (no C++ compiler, a CPU other than x86 without a build), the engine logs why once and keeps PyTorch's kernel.
+``~/.cache/torch_extensions``, a folder per Python and torch version: about 10 s on 2 cores, once per source and
+instruction set; ``make`` builds it at set-up, with ``main``); every later process loads the cached library. Where
+it cannot be built (no C++ compiler or ninja, a failed build), the engine logs why once and keeps PyTorch's
+kernel.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +37,8 @@ _X86_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
+STALE_LOCK_S = 120.0  # a build takes about 10 s on 2 cores; a lock this old was left by a killed build
+
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
@@ -45,6 +50,32 @@ def build_flags() -> tuple[str, list[str]]:
     return f"prfaas_decode_attention_{capability.lower()}", flags
 
 
+def build_directory(name: str) -> Path:
+    """Where ``name`` is built: torch's extension cache, one folder per Python and torch version (an extension is
+    built against one torch)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}" / name
+
+
+def clear_stale_lock(directory: Path, stale_s: float = STALE_LOCK_S) -> None:
+    """Wait while another process builds in ``directory`` (torch's builder holds its ``lock`` file), and remove a
+    lock older than ``stale_s``: one left by a process killed while building, which torch's builder would wait on
+    for ever."""
+    lock = directory / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(0.5)
+
+
 @functools.cache
 def decode_attention() -> DecodeAttention | None:
     """The compiled ``decode_attention(q, k, v, mask, scale)``, or None (logged) where it cannot be built here.
@@ -53,11 +84,15 @@ def decode_attention() -> DecodeAttention | None:
     try:
         from torch.utils.cpp_extension import load
 
+        directory = build_directory(name)
+        directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(directory)
         load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+             build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: PyTorch's kernel stays
+        reason = (str(exc).strip().splitlines() or [""])[-1]
         log.warning("prfaas's decode attention kernel could not be built (%s: %s); decode steps use PyTorch's "
-                    "scaled_dot_product_attention", type(exc).__name__, str(exc).strip().splitlines()[-1:])
+                    "scaled_dot_product_attention", type(exc).__name__, reason)
         return None
     kernel: DecodeAttention = torch.ops.prfaas.decode_attention
     return kernel

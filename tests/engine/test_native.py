@@ -3,6 +3,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,7 +81,7 @@ def test_an_engine_decodes_on_it_and_the_same_tokens_come_out_without_it() -> No
     assert on.generate(prompt, 12) == off.generate(prompt, 12)  # float32: the two kernels agree to ~1e-7
 
 
-def test_without_a_compiler_the_engine_keeps_pytorchs_kernel_and_says_why(tmp_path: object) -> None:
+def test_without_a_compiler_the_engine_keeps_pytorchs_kernel_and_says_why(tmp_path: Path) -> None:
     env = {**os.environ, "CXX": "/nonexistent/c++", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     script = ("import logging; logging.basicConfig(); from prfaas.engine import load_engine; "
               "from prfaas.engine.attention import KERNEL; e = load_engine('tiny-llama'); "
@@ -87,3 +90,24 @@ def test_without_a_compiler_the_engine_keeps_pytorchs_kernel_and_says_why(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
     assert "decode attention kernel could not be built" in done.stderr
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_a_live_one_waited_for(tmp_path: Path) -> None:
+    lock = tmp_path / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))  # a build killed an hour ago
+    native.clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    lock.touch()  # a build under way: waited for until it releases its lock
+    threading.Timer(1.0, lock.unlink).start()
+    started = time.monotonic()
+    native.clear_stale_lock(tmp_path, stale_s=60)
+    assert 0.9 < time.monotonic() - started < 30
+
+
+def test_the_build_is_kept_per_python_and_torch_version(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name, flags = native.build_flags()
+    assert name.startswith("prfaas_decode_attention_") and "-O3" in flags
+    directory = native.build_directory(name)
+    assert directory.parent.parent == tmp_path and torch.__version__ in directory.parent.name
