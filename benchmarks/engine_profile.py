@@ -1,18 +1,19 @@
-"""Where a decode step's time goes: prfaas's engine in process, linears plain and packed, attention kernels.
+"""Where a decode step's time goes: prfaas's engine in process, linears plain and packed, prfaas's kernels.
 
     .venv/bin/python benchmarks/engine_profile.py [--model smollm2-135m] [--dtype auto] [--rows 1,8,32]
         [--prompt 256] [--steps 20] [--repeats 3] [--out benchmarks/results/engine_profile.json]
 
-Three engines of the same model and dtype: ``plain`` (``nn.Linear`` as transformers builds it, PyTorch's attention),
-``packed`` (linears on prepacked weights, ``prfaas/engine/packed.py``) and ``kernel`` (packed, and decode attention
-on prfaas's own kernel, ``prfaas/engine/native.py``: the default). For each batch size a decode batch of ``rows``
-sequences is built as a served one is: each row's ``--prompt``-token prompt (random ids, the same for all) is
-prefilled and joins 8 steps after the one before, so rows sit at different lengths behind left padding. Each repeat
-times ``--steps`` steps of every variant in turn (after 3 unmeasured ones), so a load others put on the machine
-falls on all alike; rows give the median step and its quartiles over every timed step. One more series of steps per
-cell runs under torch's profiler, which splits a step into linear layers, attention kernels, other operators and
-what is left (Python and the dispatcher: the wall time no operator accounts for). The prefill of one prompt is timed
-the same way.
+Four engines of the same model and dtype: ``plain`` (``nn.Linear`` as transformers builds it, PyTorch's attention),
+``packed`` (linears on prepacked weights, ``prfaas/engine/packed.py``), ``attention`` (packed, and decode attention
+on prfaas's own kernel, ``prfaas/engine/native.py``) and ``fused`` (the default: also the layers on merged
+projections and prfaas's RMSNorm, SiLU-and-multiply and rotary kernels, ``prfaas/engine/fused.py``). For each batch
+size a decode batch of ``rows`` sequences is built as a served one is: each row's ``--prompt``-token prompt (random
+ids, the same for all) is prefilled and joins 8 steps after the one before, so rows sit at different lengths behind
+left padding. Each repeat times ``--steps`` steps of every variant in turn (after 3 unmeasured ones), so a load
+others put on the machine falls on all alike; rows give the median step and its quartiles over every timed step. One
+more series of steps per cell runs under torch's profiler, which splits a step into linear layers, attention
+kernels, other operators and what is left (Python and the dispatcher: the wall time no operator accounts for). The
+prefill of one prompt is timed the same way.
 """
 
 from __future__ import annotations
@@ -32,17 +33,25 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.bench.fair import spread
 from prfaas.bench.provenance import provenance
-from prfaas.engine import load_engine
+from prfaas.engine import attention, load_engine, native
 from prfaas.engine.attention import KERNEL
 from prfaas.engine.batch import DecodeBatch, Row
 from prfaas.engine.loader import native_dtype
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "packed", "kernel")
+VARIANTS = ("plain", "packed", "attention", "fused")
 STAGGER = 8  # steps between two rows' joins
 LINEAR = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
              "prfaas::decode_attention")
+
+
+def engine(model: str, dtype: str, variant: str) -> Any:
+    """``variant``'s engine (``VARIANTS``)."""
+    loaded = load_engine(model, dtype=dtype, packed=variant != "plain", kernels=variant == "fused")
+    if variant == "attention" and native.library():
+        attention.use_kernel(loaded.model, native.decode_attention())
+    return loaded
 
 
 def batch(engine: Any, rows: int, prompts: list[list[int]]) -> DecodeBatch:
@@ -103,9 +112,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = native_dtype() if args.dtype == "auto" else args.dtype
     levels = [int(x) for x in args.rows.split(",")]
-    engines = {v: load_engine(args.model, dtype=dtype, packed=v != "plain", kernels=v == "kernel") for v in VARIANTS}
-    if not any(hasattr(m, KERNEL) for m in engines["kernel"].model.modules()):
-        raise SystemExit("prfaas's decode attention kernel did not build here (see the warning above)")
+    engines = {v: engine(args.model, dtype, v) for v in VARIANTS}
+    if not any(hasattr(m, KERNEL) for m in engines["fused"].model.modules()):
+        raise SystemExit("prfaas's CPU kernels did not build here (see the warning above)")
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt)] for _ in range(max(levels))]
     rows: list[dict[str, Any]] = []

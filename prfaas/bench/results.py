@@ -66,8 +66,8 @@ SERVING = View("TTFT against the in-process engine (ms, medians and quartiles)",
 SOURCES: dict[str, Source] = {
     "engine.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py"),
     "engine_profile.json": Source("benchmarks/engine_profile.py", (View(
-        "a step's time by variant: linears plain or packed, attention PyTorch's or prfaas's kernel (ms: medians over "
-        "the timed steps; the split from one profiled series)",
+        "a step's time by variant: linears plain or packed, attention PyTorch's or prfaas's kernel, layers as "
+        "transformers runs them or fused (ms: medians over the timed steps; the split from one profiled series)",
         "rows", _cols("variant", "work", "rows", "samples", "step_ms", "step_ms_q1", "step_ms_q3", "step_ms_min",
                       "step_ms_max", "vs_plain", "tokens_per_s", "prefill_tokens_per_s", "linear_ms", "attention_ms",
                       "other_ops_ms", "outside_ops_ms", "profiled_ms")),),
@@ -186,7 +186,7 @@ SOURCES: dict[str, Source] = {
 
 TITLES = {
     "engine.json": "decode throughput, prfaas against vLLM",
-    "engine_profile.json": "where a decode step's time goes, linears plain and packed, attention kernels",
+    "engine_profile.json": "where a decode step's time goes, linears plain and packed, prfaas's kernels",
     "shared_cores.json": "two engine processes on the same cores, against libgomp's spin-wait",
     "cuda_path.json": "the engine and the vLLM connector's block copies on a GPU",
     "kv_codecs.json": "KV size, codec speed and quality",

@@ -16,6 +16,7 @@ from prfaas.engine import attention, models, native
 from prfaas.engine.base import EngineBase
 from prfaas.engine.cache import to_numpy
 from prfaas.engine.engine import TransformersEngine
+from prfaas.engine.fused import fuse
 from prfaas.engine.packed import pack
 from prfaas.errors import InvalidRequest
 from prfaas.kv import Fingerprint
@@ -29,8 +30,9 @@ def load_engine(spec: str = models.SMOLLM2, dtype: str = "float32", threads: int
                 packed: bool = True, device: str = "cpu", kernels: bool = True) -> EngineBase:
     """Load a model for prefill and decode on ``device`` (``cpu``, ``cuda``, ``cuda:N``, or ``auto``: the GPU where
     torch sees one); ``packed``: on the CPU, its linear layers on weights prepacked for oneDNN (``packed.py``; off
-    only to measure what packing gains); ``kernels``: on the CPU, decode attention on prfaas's own kernel where it
-    builds (``native.py``; off only to measure what it gains). The fingerprint does not name the device: KV made on
+    only to measure what packing gains); ``kernels``: on the CPU, prfaas's own kernels where they build: decode
+    attention, and Llama-family layers on merged projections and fused operators (``native.py``, ``fused.py``; off
+    only to measure what they gain). The fingerprint does not name the device: KV made on
     a GPU restores on a CPU of the same dtype and back (the tokens then follow each device's kernels, not bit for
     bit).
 
@@ -91,11 +93,11 @@ def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, devic
     if target.type != "cpu":
         model.to(target)
     else:
+        if kernels and native.library():
+            fuse(model)
+            attention.use_kernel(model, native.decode_attention())
         if packed:
             pack(model)
-        kernel = native.decode_attention() if kernels else None
-        if kernel is not None:
-            attention.use_kernel(model, kernel)
     return TransformersEngine(model, tokenizer, name, fingerprint, root=str(root))
 
 

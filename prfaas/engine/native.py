@@ -1,10 +1,14 @@
 """prfaas's own CPU kernels (``csrc/``), compiled for this machine's instruction set by torch's C++ extension builder.
 
-One kernel so far: ``decode_attention``, the one-token attention of a decode step (``csrc/decode_attention.cpp``).
-PyTorch's CPU flash kernel runs each (row, KV head) of a step as a three-query matrix product through oneDNN, and
-its per-call cost dominates at decode's shapes; the kernel reads each row's keys and values once for all the query
-heads of its group, in float32, skipping the positions the row's mask leaves out (``benchmarks/engine_profile.py``
-times a step with and without it).
+- ``decode_attention``, the one-token attention of a decode step (``csrc/decode_attention.cpp``). PyTorch's CPU
+  flash kernel runs each (row, KV head) of a step as a three-query matrix product through oneDNN, and its per-call
+  cost dominates at decode's shapes; the kernel reads each row's keys and values once for all the query heads of
+  its group, in float32, skipping the positions the row's mask leaves out.
+- ``rms_norm``, ``silu_mul`` and ``rotary`` (``csrc/layers.cpp``): a Llama-family layer's RMSNorm, SiLU-and-multiply
+  and rotary embedding as one operator each where transformers runs several (``fused.py`` puts them in).
+
+``benchmarks/engine_profile.py`` times a step with and without them. All are ``torch.ops.prfaas`` operators of one
+library.
 
 The first use on a machine builds it into torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
 ``~/.cache/torch_extensions``, a folder per Python and torch version: about 10 s on 2 cores, once per source and
@@ -28,7 +32,7 @@ import torch
 
 log = logging.getLogger("prfaas.engine")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("decode_attention.cpp", "layers.cpp"))
 MAX_HEAD_DIM = 256  # the largest head dim it takes (64 and 128 are compiled for their size)
 # Instruction-set flags by torch's own reading of the CPU (``torch.backends.cpu.get_cpu_capability``); the build's
 # name carries the capability, so machines of different kinds sharing a cache never load each other's build.
@@ -47,7 +51,7 @@ def build_flags() -> tuple[str, list[str]]:
     capability = torch.backends.cpu.get_cpu_capability()
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     flags = ["-O3", "-fopenmp", *(_X86_FLAGS.get(capability, []) if x86 else [])]
-    return f"prfaas_decode_attention_{capability.lower()}", flags
+    return f"prfaas_kernels_{capability.lower()}", flags
 
 
 def build_directory(name: str) -> Path:
@@ -77,9 +81,9 @@ def clear_stale_lock(directory: Path, stale_s: float = STALE_LOCK_S) -> None:
 
 
 @functools.cache
-def decode_attention() -> DecodeAttention | None:
-    """The compiled ``decode_attention(q, k, v, mask, scale)``, or None (logged) where it cannot be built here.
-    Cached per process, as an import is."""
+def library() -> bool:
+    """Build (or find) and load the kernels' library; False (logged once) where it cannot be built here. Cached per
+    process, as an import is."""
     name, flags = build_flags()
     try:
         from torch.utils.cpp_extension import load
@@ -87,24 +91,30 @@ def decode_attention() -> DecodeAttention | None:
         directory = build_directory(name)
         directory.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(directory)
-        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+        load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=False)
     except Exception as exc:  # a missing compiler or ninja, a failed build: PyTorch's kernel stays
         reason = (str(exc).strip().splitlines() or [""])[-1]
-        log.warning("prfaas's decode attention kernel could not be built (%s: %s); decode steps use PyTorch's "
-                    "scaled_dot_product_attention", type(exc).__name__, reason)
+        log.warning("prfaas's CPU kernels could not be built (%s: %s); the engine runs on PyTorch's operators "
+                    "alone", type(exc).__name__, reason)
+        return False
+    return True
+
+
+def decode_attention() -> DecodeAttention | None:
+    """The compiled ``decode_attention(q, k, v, mask, scale)``, or None where the library cannot be built here."""
+    if not library():
         return None
     kernel: DecodeAttention = torch.ops.prfaas.decode_attention
     return kernel
 
 
 def main() -> int:
-    """Build (or find) the kernel for this machine; exit 1 where it cannot be built."""
+    """Build (or find) the kernels for this machine; exit 1 where they cannot be built."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     started = time.monotonic()
-    kernel = decode_attention()
     name, flags = build_flags()
-    if kernel is None:
+    if not library():
         return 1
     print(f"{name}: ready in {time.monotonic() - started:.1f} s ({' '.join(flags)})")
     return 0
