@@ -10,6 +10,8 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 
+#include "exp2.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -21,25 +23,6 @@ namespace {
 
 constexpr int kLanes = 16;
 constexpr int kMaxDim = 256;
-
-// 2^t for t <= 0: the exponent's bits times 2^f, f = t - round(t) in [-0.5, 0.5], by its Taylor polynomial of
-// degree 6 (relative error about 1e-7); t below -126 gives 2^-126.
-inline float exp2_neg(float t) {
-  t = t < -126.0f ? -126.0f : t;
-  const float whole = std::floor(t + 0.5f);
-  const float f = t - whole;
-  float p = 1.540353039e-4f;
-  p = p * f + 1.333355815e-3f;
-  p = p * f + 9.618129108e-3f;
-  p = p * f + 5.550410866e-2f;
-  p = p * f + 2.402265070e-1f;
-  p = p * f + 6.931471806e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
@@ -117,7 +100,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t g = 0; g < groups; ++g) {
         float* p = scores.data() + g * positions;
         const float most = top[g];
-        for (int64_t j = 0; j < positions; ++j) p[j] = keep[j] ? exp2_neg(p[j] - most) : 0.0f;
+        for (int64_t j = 0; j < positions; ++j) p[j] = keep[j] ? prfaas::exp2_clamped(p[j] - most) : 0.0f;
         const float total = sum(p, positions);
         // The group's output in registers (dim floats), over every kept position's value row.
         float acc[kBuffer] = {0};

@@ -14,9 +14,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "exp2.h"
+
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <tuple>
 
 // A product and a sum stay two roundings, as PyTorch's two operators are (GCC would fuse them into one FMA).
@@ -32,27 +33,6 @@ inline int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainE
 
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
-
-// e^x for x <= 88 (larger gives 2^127): 2^t, t = x log2(e), as the exponent's bits times 2^f, f = t - round(t), by
-// its Taylor polynomial of degree 6 (relative error about 1e-7); t below -126 gives 2^-126. Branch-free, so a loop
-// over it vectorizes (std::exp does not).
-inline float exp_approx(float x) {
-  float t = x * 1.4426950408889634f;
-  t = t < -126.0f ? -126.0f : (t > 127.0f ? 127.0f : t);
-  const float whole = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 pushes the fraction out
-  const float f = t - whole;
-  float p = 1.540353039e-4f;
-  p = p * f + 1.333355815e-3f;
-  p = p * f + 9.618129108e-3f;
-  p = p * f + 5.550410866e-2f;
-  p = p * f + 2.402265070e-1f;
-  p = p * f + 6.931471806e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), x widened to float32 (transformers' LlamaRMSNorm).
 template <typename T>
@@ -117,7 +97,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
         scalar_t* orow = o + r * width;
         for (int64_t j = 0; j < width; ++j) {
           const float g = static_cast<float>(gate[j]);
-          const scalar_t act = round_to<scalar_t>(g / (1.0f + exp_approx(-g)));
+          const scalar_t act = round_to<scalar_t>(g / (1.0f + prfaas::exp2_clamped(-g * 1.4426950408889634f)));
           orow[j] = round_to<scalar_t>(static_cast<float>(act) * static_cast<float>(up[j]));
         }
       }
