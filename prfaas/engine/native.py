@@ -10,11 +10,11 @@
 ``benchmarks/engine_profile.py`` times a step with and without them. All are ``torch.ops.prfaas`` operators of one
 library.
 
-The first use on a machine builds it into torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
-``~/.cache/torch_extensions``, a folder per Python and torch version: about 10 s on 2 cores, once per source and
+The first use on a machine builds the library into torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
+``~/.cache/torch_extensions``, a folder per Python and torch version: 10-30 s on 2 cores, once per source and
 instruction set; ``make`` builds it at set-up, with ``main``); every later process loads the cached library. Where
 it cannot be built (no C++ compiler or ninja, a failed build), the engine logs why once and keeps PyTorch's
-kernel.
+operators.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _X86_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 
-STALE_LOCK_S = 120.0  # a build takes about 10 s on 2 cores; a lock this old was left by a killed build
+STALE_LOCK_S = 120.0  # a build takes 10-30 s on 2 cores; a lock this old was left by a killed build
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
@@ -93,7 +93,7 @@ def library() -> bool:
         clear_stale_lock(directory)
         load(name=name, sources=[str(source) for source in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=False)
-    except Exception as exc:  # a missing compiler or ninja, a failed build: PyTorch's kernel stays
+    except Exception as exc:  # a missing compiler or ninja, a failed build: PyTorch's operators stay
         reason = (str(exc).strip().splitlines() or [""])[-1]
         log.warning("prfaas's CPU kernels could not be built (%s: %s); the engine runs on PyTorch's operators "
                     "alone", type(exc).__name__, reason)
