@@ -108,12 +108,15 @@ class FusedAttention(nn.Module):
         self.qkv_proj = merged([attention.q_proj, attention.k_proj, attention.v_proj])
         self.o_proj: nn.Module = attention.o_proj
         _unmerge_on_save(self, "qkv_proj", ["q_proj", "k_proj", "v_proj"], sizes)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        # Looked up once (transformers looks it up on every call); prfaas's ``attention.install`` has run by now.
+        self.attend: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = \
+            ALL_ATTENTION_FUNCTIONS[config._attn_implementation]
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, cache: Any = None, past_key_values: Any = None,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
         cache = cache if cache is not None else past_key_values
         batch, seq = hidden_states.shape[:2]
         qkv = self.qkv_proj(hidden_states)
@@ -124,17 +127,10 @@ class FusedAttention(nn.Module):
             .view(batch, seq, self.kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        attend: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] = \
-            ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        out, weights = attend(self, query, key, value, attention_mask,
-                              dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                              **kwargs)
+        out, weights = self.attend(self, query, key, value, attention_mask,
+                                   dropout=0.0 if not self.training else self.attention_dropout,
+                                   scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(batch, seq, -1).contiguous()), weights
-
-
-def fusable(model: nn.Module) -> bool:
-    """Every tensor of ``model`` is on the CPU (the kernels are CPU operators)."""
-    return all(p.device.type == "cpu" for p in model.parameters())
 
 
 def fuse(model: nn.Module) -> int:

@@ -7,8 +7,8 @@
 // (a bfloat16 operator computes in float32 and rounds its result): the rotary embedding gives the same bits as
 // transformers' operators, SiLU-and-multiply the same up to its exp's last bits (a polynomial of its own, about 1e-7
 // relative); RMSNorm sums its squares in a fixed order of its own, so its variance may differ from PyTorch's mean in
-// the last bit. Rows run in parallel on torch's thread
-// pool where there are enough of them, one row per task, so a row's result does not depend on its batch.
+// the last bit. Rows run in parallel on torch's thread pool where there are enough of them, one row per task, so a
+// row's result does not depend on its batch.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,7 +29,9 @@ constexpr int kLanes = 16;
 constexpr int64_t kGrainElements = 1 << 15;  // elements a task takes at least: small batches run on one thread
 
 // At least one row a task, and enough rows that a task is worth its hand-over.
-inline int64_t grain(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
+inline int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements));
+}
 
 template <typename T>
 inline T round_to(float x) { return static_cast<T>(x); }
