@@ -46,8 +46,9 @@ def test_the_kernel_computes_masked_attention(dim: int, dtype: torch.dtype) -> N
                                atol=tolerance, rtol=tolerance)
 
 
-def test_a_row_does_not_depend_on_its_batch_or_its_masked_positions() -> None:
-    q, k, v, mask = _step(6, 50, 64, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_does_not_depend_on_its_batch_or_its_masked_positions(dtype: torch.dtype) -> None:
+    q, k, v, mask = _step(6, 50, 64, dtype)
     together = kernel(q, k, v, mask[:, 0, 0], 0.125)
     for i in range(6):
         start = int((~mask[i, 0, 0]).sum())
