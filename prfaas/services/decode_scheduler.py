@@ -51,6 +51,12 @@ class Sequence:
         self.loop.call_soon_threadsafe(self.out.put_nowait, event)
 
 
+def _deliver(events: list[tuple[Sequence, tuple[Any, ...]]]) -> None:
+    """On the event loop: a step's events, in order."""
+    for seq, event in events:
+        seq.out.put_nowait(event)
+
+
 class DecodeScheduler:
     """The decode instance's engine loop (see the module docstring). ``submit`` from the event loop; everything
     else runs on its own thread, which owns the ``DecodeBatch``."""
@@ -150,16 +156,26 @@ class DecodeScheduler:
             self._emit(self.batch.step())
 
     def _emit(self, tokens: dict[str, int]) -> None:
+        """A step's tokens, handed to each event loop in one call (one wake-up a step, not one a token: the loop's
+        thread shares the GIL and the cores with this one)."""
+        events: dict[asyncio.AbstractEventLoop, list[tuple[Sequence, tuple[Any, ...]]]] = {}
         for seq_id, token in tokens.items():
             seq = self._running[seq_id]
             seq.produced += 1
-            seq.emit("token", token, {})
+            out = events.setdefault(seq.loop, [])
+            out.append((seq, ("token", token, {})))
             if token in seq.eos:
-                self._finish(seq, "stop")
+                out.append((seq, ("end", self._leave(seq, "stop"))))
             elif seq.produced >= seq.max_new:
-                self._finish(seq, "length")
+                out.append((seq, ("end", self._leave(seq, "length"))))
+        for loop, batch in events.items():
+            loop.call_soon_threadsafe(_deliver, batch)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.emit("end", self._leave(seq, reason))
+
+    def _leave(self, seq: Sequence, reason: str) -> str:
+        """``seq`` out of the batch; returns ``reason``."""
         self.batch.remove(seq.seq_id)
         del self._running[seq.seq_id]
-        seq.emit("end", reason)
+        return reason
