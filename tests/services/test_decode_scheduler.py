@@ -4,13 +4,15 @@ sequence's stream ending after its last token."""
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Iterator
 from typing import Any
 
-from prfaas.services.decode_scheduler import DecodeScheduler, Sequence
+from prfaas.services.decode_scheduler import DecodeScheduler, Prepared, Sequence
 from tests.conftest import random_prompt
 
 
-def test_a_steps_tokens_reach_the_event_loop_in_one_wake_up(engines) -> None:
+def test_a_steps_tokens_reach_the_event_loop_in_one_wake_up(engines: Any) -> None:
     engine = engines("tiny-llama")
     prompts = {f"s{i}": random_prompt(20 + 7 * i, seed=i) for i in range(3)}
     lengths = {"s0": 4, "s1": 9, "s2": 6}
@@ -24,14 +26,14 @@ def test_a_steps_tokens_reach_the_event_loop_in_one_wake_up(engines) -> None:
             calls[0] += 1
             return handover(callback, *args, **kwargs)
 
-        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
         scheduler = DecodeScheduler(engine, 4)
 
-        def prepare(ids: list[int]) -> Any:
+        def prepare(ids: list[int]) -> Iterator[Prepared | None]:
             cache, first, _ = engine.prefill_cache(ids)
             yield cache, first, len(ids), {}
 
-        seqs = [Sequence(seq_id=name, prepare=lambda ids=ids: prepare(ids), max_new=lengths[name], sampling=None,
+        seqs = [Sequence(seq_id=name, prepare=functools.partial(prepare, ids), max_new=lengths[name], sampling=None,
                          step=0, eos=(), loop=loop) for name, ids in prompts.items()]
         try:
             for seq in seqs:
