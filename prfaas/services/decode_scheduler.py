@@ -164,18 +164,17 @@ class DecodeScheduler:
             seq.produced += 1
             out = events.setdefault(seq.loop, [])
             out.append((seq, ("token", token, {})))
-            if token in seq.eos:
-                out.append((seq, ("end", self._leave(seq, "stop"))))
-            elif seq.produced >= seq.max_new:
-                out.append((seq, ("end", self._leave(seq, "length"))))
+            reason = "stop" if token in seq.eos else "length" if seq.produced >= seq.max_new else None
+            if reason:
+                self._leave(seq)
+                out.append((seq, ("end", reason)))
         for loop, batch in events.items():
             loop.call_soon_threadsafe(_deliver, batch)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.emit("end", self._leave(seq, reason))
+        self._leave(seq)
+        seq.emit("end", reason)
 
-    def _leave(self, seq: Sequence, reason: str) -> str:
-        """``seq`` out of the batch; returns ``reason``."""
+    def _leave(self, seq: Sequence) -> None:
         self.batch.remove(seq.seq_id)
         del self._running[seq.seq_id]
-        return reason

@@ -4,7 +4,8 @@
 // q: [rows, kv_heads, groups, dim]; k, v: [rows, kv_heads, positions, dim] (any strides, the last dimension
 // contiguous: the decode batch's in-place buffers are views); mask: none, or bool [rows, positions] (true: attend).
 // Returns [rows, kv_heads, groups, dim] in q's dtype. Computed in float32 whatever the dtype, one (row, head) per
-// task, so a row's result does not depend on the other rows of its batch.
+// task, every sum in an order fixed by the row's own kept positions, so a row's result is the same bits whatever the
+// other rows of its batch and however much left padding they give it.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
