@@ -42,8 +42,7 @@ class InProcess:
 
     def _prepare(self, ids: list[int]) -> Iterator[Prepared | None]:
         """On the engine thread, as ``DecodeService`` prefills a local prompt."""
-        chunk = self.chunk_tokens if len(self.scheduler.batch) else 0
-        for result in self.engine.prefill_chunks(ids, chunk):
+        for result in self.engine.prefill_chunks(ids, self.scheduler.local_chunk(self.chunk_tokens)):
             if result is None:
                 yield None
                 continue
@@ -80,10 +79,10 @@ class InProcess:
             request = json.loads(line)
             concurrency, max_tokens = int(request["concurrency"]), int(request["max_tokens"])
             prompts = [[int(t) for t in ids] for ids in request["prompts"]]
-            if concurrency < 1 or max_tokens < 1 or not prompts or not all(prompts):
-                raise ValueError("concurrency, max_tokens and every prompt must be at least 1")
+            if concurrency < 1 or max_tokens < 1 or not prompts:
+                raise ValueError("concurrency, max_tokens and the number of prompts must be at least 1")
             for ids in prompts:
-                self.engine.check_prompt(ids)
+                self.engine.check_prompt(ids)  # empty, too long, ids outside the vocab
             return asyncio.run(self.run(concurrency, prompts, max_tokens))
         except Exception as exc:  # a bad line fails alone; the loop reads the next one
             return {"error": f"{type(exc).__name__}: {exc}"}

@@ -139,11 +139,7 @@ class DecodeService:
     def _prefill(self, request: GenerateRequest, sampling: SamplingParams,
                  arrived: float) -> Iterator[Prepared | None]:
         started = time.perf_counter()
-        # Chunks exist so that running sequences step between them. With none running there is nothing to
-        # interleave (admission is one sequence at a time, so none joins before this prefill ends), and a chunk
-        # after the first attends through an explicit mask, which on the CPU runs SDPA's slow path: one pass.
-        # This runs on the engine thread, which owns the batch.
-        chunk_tokens = self.config.prefill.prefill_chunk_tokens if len(self.scheduler.batch) else 0
+        chunk_tokens = self.scheduler.local_chunk(self.config.prefill.prefill_chunk_tokens)  # on the engine thread
         if self.prefix is not None:
             work = self.prefix.chunks(request.token_ids, request.tenant, chunk_tokens, sampling, request.step_offset)
         else:

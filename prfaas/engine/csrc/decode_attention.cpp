@@ -64,12 +64,13 @@ inline Lanes fold(Lanes a, Lanes b, std::integer_sequence<int, O...>) {
 #endif
 }
 
-// Halves W until it is 1: the kLanes vectors of x, lane sums of W lanes each, become 1 vector of single sums.
+// Halves W until it is 1: W vectors of x, whose lanes hold sums in segments of W lanes, become W / 2 vectors of
+// segments of W / 2, and so on down to 1 vector of single sums.
 template <int W>
-inline void fold_all(Lanes* x, int vectors) {
+inline void fold_all(Lanes* x) {
   if constexpr (W > 1) {
-    for (int i = 0; i < vectors / 2; ++i) x[i] = fold<W>(x[2 * i], x[2 * i + 1], std::make_integer_sequence<int, kLanes>{});
-    fold_all<W / 2>(x, vectors / 2);
+    for (int i = 0; i < W / 2; ++i) x[i] = fold<W>(x[2 * i], x[2 * i + 1], std::make_integer_sequence<int, kLanes>{});
+    fold_all<W / 2>(x);
   }
 }
 
@@ -77,7 +78,7 @@ inline void fold_all(Lanes* x, int vectors) {
 // steps; x is overwritten). Every lane is summed in the same order whatever its p, so a position's score does not
 // depend on where its block starts.
 inline Lanes sum_lanes(Lanes* x) {
-  fold_all<kLanes>(x, kLanes);
+  fold_all<kLanes>(x);
   return x[0];
 }
 
