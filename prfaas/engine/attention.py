@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 _installed = False
-KERNEL = "prfaas_decode_kernel"  # the attribute ``use_kernel`` sets on an attention layer
+KERNEL = "prfaas_decode_kernel"  # the attributes ``use_kernel`` sets on an attention layer
+PREFILL_KERNEL = "prfaas_prefill_kernel"
 _GPU_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -69,6 +70,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
              or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
              or (attention_mask is not None and attention_mask.shape[1] != 1))
     if plain:
+        prefill = getattr(module, PREFILL_KERNEL, None)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        mask = _prefill_mask(query, key, value, attention_mask, causal, dropout, kwargs)
+        if prefill is not None and q_len > 1 and mask is not False:
+            out = prefill(query, key, value, mask, causal and mask is None, dim ** -0.5 if scaling is None else scaling)
+            return out, None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, dim)
@@ -81,15 +88,43 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
     return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
-def use_kernel(model: torch.nn.Module, kernel: Any) -> int:
+def use_kernel(model: torch.nn.Module, kernel: Any, prefill: Any = None) -> int:
     """Let ``model``'s attention layers run one-token queries on ``kernel`` (``native.decode_attention``, on the
-    CPU) where it fits them; returns how many layers it was given to."""
+    CPU) and longer ones on ``prefill`` (``native.prefill_attention``) where they fit them; returns how many layers
+    they were given to."""
     given = 0
     for module in model.modules():
         if hasattr(module, "num_key_value_groups"):
             setattr(module, KERNEL, kernel)
+            if prefill is not None:
+                setattr(module, PREFILL_KERNEL, prefill)
             given += 1
     return given
+
+
+def _prefill_mask(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                  causal: bool, dropout: float, kwargs: dict[str, Any]) -> torch.Tensor | bool | None:
+    """The prefill kernel's mask for this call: None (no mask: causal, or every key), a bool ``[batch, queries,
+    keys]`` view of transformers' mask, or False where the kernel does not take the call (SDPA does): not CPU
+    tensors of one dtype with contiguous rows, dropout or a score modifier, a float mask, or causal without a mask
+    over a query shorter than its keys (SDPA's causal is aligned to the first key there)."""
+    from prfaas.engine.native import MAX_HEAD_DIM
+
+    if dropout or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "sliding_window", "s_aux")):
+        return False
+    if kwargs.get("output_attentions") or query.device.type != "cpu" or query.shape[-1] > MAX_HEAD_DIM:
+        return False
+    if not query.dtype == key.dtype == value.dtype or any(t.stride(-1) != 1 for t in (query, key, value)):
+        return False
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1] or value.shape != key.shape:
+        return False
+    if mask is None:
+        return None if not causal or query.shape[2] == key.shape[2] else False
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] < key.shape[-2]:
+        return False
+    if mask.shape[0] not in (1, query.shape[0]) or mask.shape[2] != query.shape[2]:
+        return False
+    return mask[:, 0, :, : key.shape[-2]].expand(query.shape[0], -1, -1)
 
 
 def _fits(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None) -> bool:

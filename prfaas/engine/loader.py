@@ -95,7 +95,7 @@ def _load_engine(spec: str, dtype: str, threads: int | None, packed: bool, devic
     else:
         if kernels and native.library():
             fuse(model)
-            attention.use_kernel(model, native.decode_attention())
+            attention.use_kernel(model, native.decode_attention(), native.prefill_attention())
         if packed:
             pack(model)
     return TransformersEngine(model, tokenizer, name, fingerprint, root=str(root))

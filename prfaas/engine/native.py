@@ -32,7 +32,8 @@ import torch
 
 log = logging.getLogger("prfaas.engine")
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("decode_attention.cpp", "layers.cpp"))
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name
+                for name in ("decode_attention.cpp", "prefill_attention.cpp", "layers.cpp"))
 MAX_HEAD_DIM = 256  # the largest head dim it takes (64 and 128 are compiled for their size)
 # Instruction-set flags by torch's own reading of the CPU (``torch.backends.cpu.get_cpu_capability``); the build's
 # name carries the capability, so machines of different kinds sharing a cache never load each other's build.
@@ -44,6 +45,7 @@ _X86_FLAGS = {
 STALE_LOCK_S = 120.0  # a build takes 10-30 s on 2 cores; a lock this old was left by a killed build
 
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, float], torch.Tensor]
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool, float], torch.Tensor]
 
 
 def build_flags() -> tuple[str, list[str]]:
@@ -106,6 +108,15 @@ def decode_attention() -> DecodeAttention | None:
     if not library():
         return None
     kernel: DecodeAttention = torch.ops.prfaas.decode_attention
+    return kernel
+
+
+def prefill_attention() -> PrefillAttention | None:
+    """The compiled ``prefill_attention(q, k, v, mask, causal, scale)``, or None where the library cannot be built
+    here."""
+    if not library():
+        return None
+    kernel: PrefillAttention = torch.ops.prfaas.prefill_attention
     return kernel
 
 

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from prfaas.engine import load_engine, native
-from prfaas.engine.attention import KERNEL
+from prfaas.engine.attention import KERNEL, PREFILL_KERNEL, _prefill_mask
 from tests.conftest import random_prompt
 
 kernel = native.decode_attention()
+prefill = native.prefill_attention()
 pytestmark = pytest.mark.skipif(kernel is None, reason="prfaas's CPU kernels do not build here")
 
 
@@ -73,11 +74,78 @@ def test_the_kernel_refuses_what_it_cannot_compute() -> None:
         kernel(*(t.repeat(1, 1, 1, 5)[..., :300] for t in (q, k, v)), None, 0.125)
 
 
+def _prefill(batch: int, heads: int, kv_heads: int, queries: int, keys: int, dim: int, dtype: torch.dtype,
+             seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """A prefill pass's shapes as the model hands them over: q a transposed view of the projection's output."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, queries, heads, dim, generator=g).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(batch, kv_heads, keys, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal: bool = False) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dim", [16, 64, 128, 96])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (32, 2)])
+def test_the_prefill_kernel_computes_causal_and_masked_attention(dim: int, dtype: torch.dtype, heads: int,
+                                                                 kv_heads: int) -> None:
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    q, k, v = _prefill(1, heads, kv_heads, 45, 45, dim, dtype)
+    out = prefill(q, k, v, None, True, dim ** -0.5)
+    assert out.shape == (1, 45, heads, dim) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.float(), _reference(q, k, v, causal=True), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(prefill(q, k, v, None, False, dim ** -0.5).float(), _reference(q, k, v),
+                               atol=tolerance, rtol=tolerance)
+    # a chunk after a cached prefix, and a left-padded batch: the masks transformers builds for them
+    q, k, v = _prefill(2, heads, kv_heads, 20, 53, dim, dtype, seed=1)
+    mask = torch.ones(53, 53, dtype=torch.bool).tril()[-20:].repeat(2, 1, 1)
+    mask[1, :, :9] = False
+    mask[1, 3, 30:] = False  # a hole in a row's keys
+    got = prefill(q, k, v, mask, False, dim ** -0.5)
+    torch.testing.assert_close(got.float(), _reference(q, k, v, mask[:, None]), atol=tolerance, rtol=tolerance)
+
+
+def test_a_prefill_rows_result_is_the_same_bits_however_the_pass_is_chunked() -> None:
+    q, k, v = _prefill(1, 9, 3, 90, 90, 64, torch.bfloat16)
+    whole = prefill(q, k, v, None, True, 0.125)
+    causal = torch.ones(90, 90, dtype=torch.bool).tril()
+    for start, end in ((0, 17), (17, 50), (50, 90)):
+        chunk = prefill(q[:, :, start:end], k[:, :, :end], v[:, :, :end], causal[None, start:end, :end], False, 0.125)
+        assert torch.equal(chunk, whole[:, start:end])
+    nothing = torch.zeros(1, 90, 90, dtype=torch.bool)
+    assert not prefill(q, k, v, nothing, False, 0.125).any()  # a row that attends to nothing gets zeros
+
+
+def test_the_prefill_kernel_refuses_what_it_cannot_compute_and_the_model_keeps_sdpa_for_it() -> None:
+    q, k, v = _prefill(1, 6, 3, 10, 12, 64, torch.float32)
+    with pytest.raises(RuntimeError, match="causal"):
+        prefill(q, k, v, None, True, 0.125)
+    with pytest.raises(RuntimeError, match="mask"):
+        prefill(q, k, v, torch.ones(1, 10, 11, dtype=torch.bool), False, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        prefill(q, k.bfloat16(), v, None, False, 0.125)
+    with pytest.raises(RuntimeError, match="kv_heads"):
+        prefill(q[:, :5], k, v, None, False, 0.125)
+    causal = torch.ones(1, 1, 10, 12, dtype=torch.bool)
+    assert _prefill_mask(q, k, v, None, True, 0.0, {}) is False  # SDPA's causal aligns to the first key here
+    assert _prefill_mask(q, k, v, causal.float(), False, 0.0, {}) is False
+    assert _prefill_mask(q, k, v, causal, False, 0.0, {"sliding_window": 4}) is False
+    assert _prefill_mask(q, k, v, causal, False, 0.1, {}) is False
+    assert _prefill_mask(q, k, v, None, False, 0.0, {}) is None
+    assert _prefill_mask(q, k, v, torch.ones(1, 1, 10, 20, dtype=torch.bool), False, 0.0, {}).shape == (1, 10, 12)
+
+
 def test_an_engine_decodes_on_it_and_the_same_tokens_come_out_without_it() -> None:
     on, off = (load_engine("tiny-llama", kernels=k) for k in (True, False))
     layers = [m for m in on.model.modules() if hasattr(m, "num_key_value_groups")]
-    assert layers and all(getattr(m, KERNEL) is kernel for m in layers)
-    assert not any(hasattr(m, KERNEL) for m in off.model.modules())
+    assert layers and all(getattr(m, KERNEL) is kernel and getattr(m, PREFILL_KERNEL) is prefill for m in layers)
+    assert not any(hasattr(m, KERNEL) or hasattr(m, PREFILL_KERNEL) for m in off.model.modules())
     prompt = random_prompt(60, seed=4)
     assert on.generate(prompt, 12) == off.generate(prompt, 12)  # float32: the two kernels agree to ~1e-7
 
