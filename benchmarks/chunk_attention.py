@@ -8,7 +8,10 @@ SmolLM2-135M's attention shape (9 query heads, head dim 64), one layer, ``scaled
 - ``chunked, masked``: ``--chunk`` queries at a time against every key so far, with the boolean lower-right causal
   mask that transformers builds when a cache already holds earlier tokens (what each chunk after the first runs);
 - ``chunked, unmasked``: the same calls without the mask (wrong results, the same arithmetic): what the chunks
-  would cost if the mask did not move SDPA off its fast kernel.
+  would cost if the mask did not move SDPA off its fast kernel;
+- ``prfaas whole`` and ``prfaas chunked, masked``: the same two passes on prfaas's prefill attention kernel
+  (``torch.ops.prfaas.prefill_attention``, what the engine runs on the CPU where its kernels build), which takes
+  the mask at the causal pass's speed.
 Medians of ``--repeats`` with min and max, the three taking turns.
 """
 
@@ -46,7 +49,24 @@ def cases(n: int, chunk: int, dtype: Any) -> dict[str, Callable[[], None]]:
                 F.scaled_dot_product_attention(q[:, :, begin:end], k[:, :, :end], v[:, :, :end], attn_mask=mask)
         return run
 
-    return {"whole": whole, "chunked, masked": chunked(True), "chunked, unmasked": chunked(False)}
+    runs = {"whole": whole, "chunked, masked": chunked(True), "chunked, unmasked": chunked(False)}
+    from prfaas.engine import native
+
+    kernel = native.prefill_attention()
+    if kernel is None:
+        return runs
+    scale = HEAD_DIM ** -0.5
+
+    def kernel_whole() -> None:
+        kernel(q, k, v, None, True, scale)
+
+    def kernel_chunked() -> None:
+        for begin in range(0, n, chunk):
+            end = min(n, begin + chunk)
+            mask = torch.ones(1, end - begin, end, dtype=torch.bool).tril(begin)
+            kernel(q[:, :, begin:end], k[:, :, :end], v[:, :, :end], mask, False, scale)
+
+    return {**runs, "prfaas whole": kernel_whole, "prfaas chunked, masked": kernel_chunked}
 
 
 def main() -> None:

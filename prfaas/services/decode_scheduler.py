@@ -79,8 +79,8 @@ class DecodeScheduler:
     def local_chunk(self, chunk_tokens: int) -> int:
         """On the engine thread: the pass size of a local prompt's prefill starting now. Chunks exist so that running
         sequences step between them. With none running there is nothing to interleave (admission is one sequence at
-        a time, so none joins before this prefill ends), and a chunk after the first attends through an explicit
-        mask, which on the CPU runs SDPA's slow path: one pass (0)."""
+        a time, so none joins before this prefill ends), and every pass more costs its own walk through the model:
+        one pass (0)."""
         return chunk_tokens if len(self.batch) else 0
 
     @property

@@ -76,6 +76,7 @@ class Instance:
     def __init__(self, options: InstanceOptions, config: Config, with_store: bool) -> None:
         self.options = options
         self.config = config
+        self.config_hash = config.digest()  # the config is frozen: hashed once, not in every heartbeat
         self.security = Security.of(config, options.role)  # the role's TLS, checked before anything binds
         self.http_sock = http.bind(options.host, options.port)
         self.url = "{}://{}:{}".format(self.security.scheme(), *self.http_sock.getsockname()[:2])
@@ -124,7 +125,7 @@ class Instance:
             "kv_address": self.kv_address, "datacenter": self.config.common.datacenter, "fingerprint": self.fingerprint,
             "model": self.model, "model_root": self.model_root, "max_seq_len": self.max_seq_len,
             "draining": self.drain.draining,
-            "config_hash": self.config.digest(), "prefix_blocks": self.prefix_blocks(),
+            "config_hash": self.config_hash, "prefix_blocks": self.prefix_blocks(),
             "tcp_peers": self.tcp_peers(), **self._load()})
 
     async def serve(self, app: FastAPI) -> None:
