@@ -33,6 +33,7 @@ constexpr int kLanes = 16;
 constexpr int kLanes = 8;
 #endif
 constexpr int kRows = 12;  // query rows of a tile: their score sums stay in registers beside one key vector
+constexpr int kTiles = 8;  // tiles of a task, which take each key block in turn while it is in the cache
 constexpr int kMaxDim = 256;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -78,6 +79,17 @@ inline Lanes exp2_lanes(Lanes x) {
 struct Span {
   int64_t lo, hi;  // hi < lo: none
   bool dense;
+};
+
+// A tile's query rows (widened, scaled to base-2 scores), their outputs so far and their running softmax.
+struct Tile {
+  float* q;
+  float* acc;
+  int rows;
+  int64_t first, last;  // the key blocks any of its rows attends to
+  int64_t query_of[kRows], head_of[kRows];
+  float top[kRows];
+  Lanes total[kRows];  // each row's softmax denominator, in lanes
 };
 
 template <typename T, int D>
@@ -144,132 +156,150 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const T* qp = q.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), qs2 = q.stride(2);
-  // Tasks: (batch, KV head, group tile) × position tiles, the position tiles of a head ordered first, last, second,
-  // second last… so that any run of tasks mixes short causal rows with long ones and the threads' shares even out.
-  const int64_t per_head = group_tiles * position_tiles;
+  // Tasks: (batch, KV head, group tile) × runs of kTiles position tiles, which take each key block in turn while it
+  // is in the core's cache. A head's runs are ordered first, last, second, second last… so that any stretch of
+  // tasks mixes short causal rows with long ones and the threads' shares even out.
+  const int64_t runs = (position_tiles + kTiles - 1) / kTiles;
+  const int64_t per_head = group_tiles * runs;
   at::parallel_for(0, batch * kv_heads * per_head, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(kRows * padded), acc(kRows * padded), weight(kRows * kLanes);
-    float top[kRows];
-    Lanes total[kRows];  // each row's softmax denominator, in lanes
-    int64_t query_of[kRows], head_of[kRows];
+    std::vector<float> qf(kTiles * kRows * padded), acc(kTiles * kRows * padded), weight(kRows * kLanes);
+    std::vector<Tile> tiles(kTiles);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / per_head, rest = task % per_head, b = bh / kv_heads, h = bh % kv_heads;
-      const int64_t gt = rest / position_tiles, order = rest % position_tiles;
-      const int64_t pt = order % 2 == 0 ? order / 2 : position_tiles - 1 - order / 2;
+      const int64_t gt = rest / runs, order = rest % runs;
+      const int64_t run = order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
       const int64_t g0 = gt * group_span, g1 = std::min<int64_t>(groups, g0 + group_span);
-      const int64_t p0 = pt * positions, p1 = std::min<int64_t>(queries, p0 + positions);
-      int rows = 0;
+      const int64_t t1 = std::min<int64_t>(position_tiles, (run + 1) * kTiles);
+      int n = 0;
       int64_t first = blocks, last = -1;
-      for (int64_t i = p0; i < p1; ++i) {
-        for (int64_t g = g0; g < g1; ++g) {
-          query_of[rows] = i;
-          head_of[rows] = h * groups + g;
-          const T* qr = qp + b * qs0 + head_of[rows] * qs1 + i * qs2;
-          float* dst = qf.data() + rows * padded;
-          for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(qr[d]) * scale * log2e;  // base-2 scores
-          for (int64_t d = dim; d < padded; ++d) dst[d] = 0.0f;
-          ++rows;
+      for (int64_t pt = run * kTiles; pt < t1; ++pt, ++n) {
+        Tile& t = tiles[n];
+        t.q = qf.data() + n * kRows * padded;
+        t.acc = acc.data() + n * kRows * padded;
+        t.rows = 0;
+        t.first = blocks;
+        t.last = -1;
+        const int64_t p0 = pt * positions, p1 = std::min<int64_t>(queries, p0 + positions);
+        for (int64_t i = p0; i < p1; ++i) {
+          for (int64_t g = g0; g < g1; ++g) {
+            t.query_of[t.rows] = i;
+            t.head_of[t.rows] = h * groups + g;
+            const T* qr = qp + b * qs0 + t.head_of[t.rows] * qs1 + i * qs2;
+            float* dst = t.q + t.rows * padded;
+            for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(qr[d]) * scale * log2e;  // base-2 scores
+            for (int64_t d = dim; d < padded; ++d) dst[d] = 0.0f;
+            ++t.rows;
+          }
+          const Span& s = spans[b * queries + i];
+          if (s.hi >= s.lo) {
+            t.first = std::min(t.first, s.lo / kLanes);
+            t.last = std::max(t.last, s.hi / kLanes);
+          }
         }
-        const Span& s = spans[b * queries + i];
-        if (s.hi >= s.lo) {
-          first = std::min(first, s.lo / kLanes);
-          last = std::max(last, s.hi / kLanes);
-        }
+        for (int r = t.rows; r < kRows; ++r) std::fill_n(t.q + r * padded, padded, 0.0f);
+        std::fill_n(t.acc, kRows * padded, 0.0f);
+        std::fill_n(t.top, kRows, -kInf);
+        for (int r = 0; r < kRows; ++r) t.total[r] = Lanes{};
+        first = std::min(first, t.first);
+        last = std::max(last, t.last);
       }
-      for (int r = rows; r < kRows; ++r) std::fill_n(qf.data() + r * padded, padded, 0.0f);
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill_n(top, kRows, -kInf);
-      for (int r = 0; r < kRows; ++r) total[r] = Lanes{};
       const float* kbase = kt + bh * blocks * dim * kLanes;
       const float* vbase = vf + bh * blocks * kLanes * padded;
       for (int64_t blk = first; blk <= last; ++blk) {
-        const int64_t j0 = blk * kLanes;
-        // Scores: kRows sums of kLanes keys each, one key vector per dimension shared by all rows.
-        Lanes s[kRows];
-        for (int r = 0; r < kRows; ++r) s[r] = Lanes{};
-        const float* kb = kbase + blk * dim * kLanes;
-        for (int64_t d = 0; d < dim; ++d) {
-          const Lanes kd = load(kb + d * kLanes);
-          for (int r = 0; r < kRows; ++r) s[r] += qf[r * padded + d] * kd;
-        }
-        // The running softmax, row by row: keys outside the row's span (or off in its mask) score -inf.
-        for (int r = 0; r < rows; ++r) {
-          const Span& sp = spans[b * queries + query_of[r]];
-          float* w = weight.data() + r * kLanes;
-          if (sp.hi < j0 || sp.lo >= j0 + kLanes || sp.hi < sp.lo) {
-            std::fill_n(w, kLanes, 0.0f);
-            continue;
+        for (int i = 0; i < n; ++i) {
+          Tile& t = tiles[i];
+          if (blk < t.first || blk > t.last) continue;
+          const int64_t j0 = blk * kLanes;
+          // Scores: kRows sums of kLanes keys each, one key vector per dimension shared by all rows.
+          Lanes s[kRows];
+          for (int r = 0; r < kRows; ++r) s[r] = Lanes{};
+          const float* kb = kbase + blk * dim * kLanes;
+          for (int64_t d = 0; d < dim; ++d) {
+            const Lanes kd = load(kb + d * kLanes);
+            for (int r = 0; r < kRows; ++r) s[r] += t.q[r * padded + d] * kd;
           }
-          Lanes sc = s[r];
-          if (!(sp.dense && sp.lo <= j0 && j0 + kLanes - 1 <= sp.hi)) {
-            const bool* row = mp ? mp + b * ms0 + query_of[r] * ms1 : nullptr;
-            float kept[kLanes];
-            for (int l = 0; l < kLanes; ++l) {
-              const int64_t j = j0 + l;
-              kept[l] = j >= sp.lo && j <= sp.hi && (sp.dense || row[j * ms2]) ? 0.0f : -kInf;
+          // The running softmax, row by row: keys outside the row's span (or off in its mask) score -inf.
+          for (int r = 0; r < t.rows; ++r) {
+            const Span& sp = spans[b * queries + t.query_of[r]];
+            float* w = weight.data() + r * kLanes;
+            if (sp.hi < j0 || sp.lo >= j0 + kLanes || sp.hi < sp.lo) {
+              std::fill_n(w, kLanes, 0.0f);
+              continue;
             }
-            sc += load(kept);
-          }
-          const float most = lane_max(sc);
-          if (most == -kInf) {
-            std::fill_n(w, kLanes, 0.0f);
-            continue;
-          }
-          if (most > top[r]) {
-            const float shrink = top[r] == -kInf ? 0.0f : prfaas::exp2_clamped(top[r] - most);
-            total[r] *= shrink;
-            float* a = acc.data() + r * padded;
-            for (int64_t c = 0; c < chunks; ++c) store(a + c * kLanes, load(a + c * kLanes) * shrink);
-            top[r] = most;
-          }
-          const Lanes e = exp2_lanes(sc - top[r]);
-          store(w, e);
-          total[r] += e;
-        }
-        // Values: each row's weighted sum of the block's value rows, a value vector loaded once for three rows
-        // where the row fits in four vectors (head dims up to 4 × kLanes), once per row otherwise.
-        const float* vb = vbase + blk * kLanes * padded;
-        if (chunks <= 4) {
-          for (int r0 = 0; r0 < rows; r0 += 3) {
-            const int m = std::min(3, rows - r0);
-            Lanes a[3][4];
-            for (int rr = 0; rr < m; ++rr)
-              for (int64_t c = 0; c < chunks; ++c) a[rr][c] = load(acc.data() + (r0 + rr) * padded + c * kLanes);
-            for (int l = 0; l < kLanes; ++l) {
-              const float* vr = vb + l * padded;
-              for (int64_t c = 0; c < chunks; ++c) {
-                const Lanes vv = load(vr + c * kLanes);
-                for (int rr = 0; rr < m; ++rr) a[rr][c] += weight[(r0 + rr) * kLanes + l] * vv;
-              }
-            }
-            for (int rr = 0; rr < m; ++rr)
-              for (int64_t c = 0; c < chunks; ++c) store(acc.data() + (r0 + rr) * padded + c * kLanes, a[rr][c]);
-          }
-        } else {
-          for (int r = 0; r < rows; ++r) {
-            float* ar = acc.data() + r * padded;
-            const float* wr = weight.data() + r * kLanes;
-            for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
-              const int64_t m = std::min<int64_t>(8, chunks - c0);
-              Lanes a[8];
-              for (int64_t c = 0; c < m; ++c) a[c] = load(ar + (c0 + c) * kLanes);
+            Lanes sc = s[r];
+            if (!(sp.dense && sp.lo <= j0 && j0 + kLanes - 1 <= sp.hi)) {
+              const bool* row = mp ? mp + b * ms0 + t.query_of[r] * ms1 : nullptr;
+              float kept[kLanes];
               for (int l = 0; l < kLanes; ++l) {
-                const float* vr = vb + l * padded + c0 * kLanes;
-                for (int64_t c = 0; c < m; ++c) a[c] += wr[l] * load(vr + c * kLanes);
+                const int64_t j = j0 + l;
+                kept[l] = j >= sp.lo && j <= sp.hi && (sp.dense || row[j * ms2]) ? 0.0f : -kInf;
               }
-              for (int64_t c = 0; c < m; ++c) store(ar + (c0 + c) * kLanes, a[c]);
+              sc += load(kept);
+            }
+            const float most = lane_max(sc);
+            if (most == -kInf) {
+              std::fill_n(w, kLanes, 0.0f);
+              continue;
+            }
+            if (most > t.top[r]) {
+              const float shrink = t.top[r] == -kInf ? 0.0f : prfaas::exp2_clamped(t.top[r] - most);
+              t.total[r] *= shrink;
+              float* a = t.acc + r * padded;
+              for (int64_t c = 0; c < chunks; ++c) store(a + c * kLanes, load(a + c * kLanes) * shrink);
+              t.top[r] = most;
+            }
+            const Lanes e = exp2_lanes(sc - t.top[r]);
+            store(w, e);
+            t.total[r] += e;
+          }
+          // Values: each row's weighted sum of the block's value rows, a value vector loaded once for three rows
+          // where the row fits in four vectors (head dims up to 4 × kLanes), once per row otherwise.
+          const float* vb = vbase + blk * kLanes * padded;
+          if (chunks <= 4) {
+            for (int r0 = 0; r0 < t.rows; r0 += 3) {
+              const int m = std::min(3, t.rows - r0);
+              Lanes a[3][4];
+              for (int rr = 0; rr < m; ++rr)
+                for (int64_t c = 0; c < chunks; ++c) a[rr][c] = load(t.acc + (r0 + rr) * padded + c * kLanes);
+              for (int l = 0; l < kLanes; ++l) {
+                const float* vr = vb + l * padded;
+                for (int64_t c = 0; c < chunks; ++c) {
+                  const Lanes vv = load(vr + c * kLanes);
+                  for (int rr = 0; rr < m; ++rr) a[rr][c] += weight[(r0 + rr) * kLanes + l] * vv;
+                }
+              }
+              for (int rr = 0; rr < m; ++rr)
+                for (int64_t c = 0; c < chunks; ++c) store(t.acc + (r0 + rr) * padded + c * kLanes, a[rr][c]);
+            }
+          } else {
+            for (int r = 0; r < t.rows; ++r) {
+              float* ar = t.acc + r * padded;
+              const float* wr = weight.data() + r * kLanes;
+              for (int64_t c0 = 0; c0 < chunks; c0 += 8) {
+                const int64_t m = std::min<int64_t>(8, chunks - c0);
+                Lanes a[8];
+                for (int64_t c = 0; c < m; ++c) a[c] = load(ar + (c0 + c) * kLanes);
+                for (int l = 0; l < kLanes; ++l) {
+                  const float* vr = vb + l * padded + c0 * kLanes;
+                  for (int64_t c = 0; c < m; ++c) a[c] += wr[l] * load(vr + c * kLanes);
+                }
+                for (int64_t c = 0; c < m; ++c) store(ar + (c0 + c) * kLanes, a[c]);
+              }
             }
           }
         }
       }
-      for (int r = 0; r < rows; ++r) {
-        float lanes[kLanes], sum = 0.0f;
-        store(lanes, total[r]);
-        for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        T* o = op + ((b * queries + query_of[r]) * heads + head_of[r]) * dim;
-        const float* a = acc.data() + r * padded;
-        for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(a[d] * inv);
+      for (int i = 0; i < n; ++i) {
+        const Tile& t = tiles[i];
+        for (int r = 0; r < t.rows; ++r) {
+          float lanes[kLanes], sum = 0.0f;
+          store(lanes, t.total[r]);
+          for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+          const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+          T* o = op + ((b * queries + t.query_of[r]) * heads + t.head_of[r]) * dim;
+          const float* a = t.acc + r * padded;
+          for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(a[d] * inv);
+        }
       }
     }
   });
