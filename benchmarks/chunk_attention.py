@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/chunk_attention.py [--lengths 4096,8000] [--chunk 512] [--dtype auto] [--repeats 3]
         [--out benchmarks/results/chunk_attention.json]
 
-SmolLM2-135M's attention shape (9 query heads, head dim 64), one layer, ``scaled_dot_product_attention`` on the CPU:
+SmolLM2-135M's attention shape (9 query heads over 3 KV heads, head dim 64), one layer,
+``scaled_dot_product_attention(..., enable_gqa=True)`` on the CPU:
 - ``whole``: the prompt in one pass, ``is_causal=True`` (what a single forward pass runs);
 - ``chunked, masked``: ``--chunk`` queries at a time against every key so far, with the boolean lower-right causal
   mask that transformers builds when a cache already holds earlier tokens (what each chunk after the first runs);
@@ -29,24 +30,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from prfaas.bench.fair import spread
 from prfaas.bench.provenance import provenance
 
-HEADS, HEAD_DIM = 9, 64
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def cases(n: int, chunk: int, dtype: Any) -> dict[str, Callable[[], None]]:
     import torch
     import torch.nn.functional as F
 
-    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, dtype=dtype) for _ in range(3))
+    q = torch.randn(1, HEADS, n, HEAD_DIM, dtype=dtype)
+    k, v = (torch.randn(1, KV_HEADS, n, HEAD_DIM, dtype=dtype) for _ in range(2))
 
     def whole() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
     def chunked(masked: bool) -> Callable[[], None]:
         def run() -> None:
             for begin in range(0, n, chunk):
                 end = min(n, begin + chunk)
                 mask = torch.ones(end - begin, end, dtype=torch.bool).tril(begin) if masked else None
-                F.scaled_dot_product_attention(q[:, :, begin:end], k[:, :, :end], v[:, :, :end], attn_mask=mask)
+                F.scaled_dot_product_attention(q[:, :, begin:end], k[:, :, :end], v[:, :, :end], attn_mask=mask,
+                                               enable_gqa=True)
         return run
 
     runs = {"whole": whole, "chunked, masked": chunked(True), "chunked, unmasked": chunked(False)}
@@ -101,8 +104,8 @@ def main() -> None:
             print(f"{n} {name}: {s['median']:.0f} ms ({s['min']:.0f}–{s['max']:.0f}), "
                   f"{rows[-1]['vs_whole']:.2f}× whole", flush=True)
     Path(args.out).write_text(json.dumps({"provenance": provenance(), "dtype": dtype, "chunk": args.chunk,
-                                          "heads": HEADS, "head_dim": HEAD_DIM, "repeats": args.repeats,
-                                          "rows": rows}, indent=2))
+                                          "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
+                                          "repeats": args.repeats, "rows": rows}, indent=2))
     print(f"wrote {args.out}")
 
 

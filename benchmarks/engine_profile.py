@@ -43,7 +43,7 @@ VARIANTS = ("plain", "packed", "attention", "fused")
 STAGGER = 8  # steps between two rows' joins
 LINEAR = ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
-             "prfaas::decode_attention")
+             "prfaas::decode_attention", "prfaas::prefill_attention")
 
 
 def engine(model: str, dtype: str, variant: str) -> Any:
