@@ -71,11 +71,12 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
              or (attention_mask is not None and attention_mask.shape[1] != 1))
     if plain:
         prefill = getattr(module, PREFILL_KERNEL, None)
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        mask = _prefill_mask(query, key, value, attention_mask, causal, dropout, kwargs)
-        if prefill is not None and q_len > 1 and mask is not False:
-            out = prefill(query, key, value, mask, causal and mask is None, dim ** -0.5 if scaling is None else scaling)
-            return out, None
+        if prefill is not None and q_len > 1:
+            causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+            mask = _prefill_mask(query, key, value, attention_mask, causal, dropout, kwargs)
+            if mask is not False:
+                scale = dim ** -0.5 if scaling is None else scaling
+                return prefill(query, key, value, mask, causal and mask is None, scale), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     packed = query.reshape(batch, heads // groups, groups, dim)

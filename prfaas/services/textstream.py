@@ -38,7 +38,8 @@ class TextStream:
                 return ""
         self.text = text
         for stop in self.stop:
-            at = text.find(stop, max(0, before - len(stop) + 1))  # no stop string ended before this token
+            # a streamed text only grows, and no stop string ended before this token; a whole decode may redo its start
+            at = text.find(stop, max(0, before - len(stop) + 1) if self._stream is not None else 0)
             if at >= 0:
                 self.stopped = True
                 self.text = text[:at]
