@@ -4,11 +4,15 @@
   flash kernel runs each (row, KV head) of a step as a three-query matrix product through oneDNN, and its per-call
   cost dominates at decode's shapes; the kernel reads each row's keys and values once for all the query heads of
   its group, in float32, skipping the positions the row's mask leaves out.
+- ``prefill_attention``, the attention of a pass with more than one query (``csrc/prefill_attention.cpp``): the
+  same flash kernel runs a short prompt as small matrix products whose per-call cost outweighs their arithmetic;
+  the kernel takes tiles of query rows through blocks of keys with a running softmax, in float32, a mask at the
+  causal pass's speed.
 - ``rms_norm``, ``silu_mul`` and ``rotary`` (``csrc/layers.cpp``): a Llama-family layer's RMSNorm, SiLU-and-multiply
   and rotary embedding as one operator each where transformers runs several (``fused.py`` puts them in).
 
-``benchmarks/engine_profile.py`` times a step with and without them. All are ``torch.ops.prfaas`` operators of one
-library.
+``benchmarks/engine_profile.py`` times a step and a prefill with and without them. All are ``torch.ops.prfaas``
+operators of one library.
 
 The first use on a machine builds the library into torch's extension cache (``TORCH_EXTENSIONS_DIR``, else
 ``~/.cache/torch_extensions``, a folder per Python and torch version: 10-30 s on 2 cores, once per source and
