@@ -12,18 +12,22 @@ runs on the client side (namespace a) and the sender/server on the other (namesp
                         any Python data plane on that ``ssl`` module can move, with no protocol and no checksums
   pyopenssl tls copy    the same with pyOpenSSL on the newer OpenSSL inside ``cryptography``'s wheels, reading
                         with ``SSL_read`` itself (``tls_copy.py pyopenssl``; its own venv, made here)
-  prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull ``PULLS`` times into a fresh BlobReader
-                        (every chunk verified, layers rebuilt), N striped connections; plaintext and TLS 1.3
+  prfaas [tls] N        ``prfaas bench transfer --target``: push once, pull ``PULLS`` + 1 times into a fresh
+                        BlobReader (every chunk verified, layers rebuilt), N striped connections; plaintext and
+                        TLS 1.3
   mooncake              Mooncake Transfer Engine's TCP transport (loopback; its own venv, made here)
 The machine is shared and noisy, so the tools run side by side: ``--repeat`` rounds, each running every tool in
 turn. A sample is one transfer of ``--size`` bytes, and iperf3, the python copy, prfaas and mooncake take the same
 number of samples, ``PULLS`` per round (iperf3 and the copy run ``PULLS`` times; each prfaas process pulls ``PULLS``
-times, its first pull also first-touching the receive arena as the copy's first ``recv_into`` does); the bare TLS
-copies take one per round. Every figure is the median of a tool's samples, with quartiles, min and max beside it
-and every sample in the JSON; never one tool's best. "vs iperf3" divides medians by iperf3's with the same number
-of streams (the copies and mooncake by iperf3 -P 1); "vs ceiling" by the highest iperf3 median of any stream count
-on that path. ``--size`` defaults to 1 GiB so that a loopback iperf3 sample lasts a quarter of a second or more
-(256 MiB took about 65 ms, where start-up noise dominates). Targets: plaintext ≥ 90 %, TLS ≥ 60 %.
+times after a cold pull). The copy's buffer is a ``bytearray``, zero-filled (its pages touched) before its timer
+starts, and a decode instance pulls into arenas it reuses; a process's first pull instead pays for first-touching
+its receive arena, so it is not among the samples but reported beside them (``cold_gbps``: their median; every cold
+sample in the JSON). The bare TLS copies take one per round. Every figure is the median of a tool's samples, with
+quartiles, min and max beside it and every sample in the JSON; never one tool's best. "vs iperf3" divides medians by
+iperf3's with the same number of streams (the copies and mooncake by iperf3 -P 1); "vs ceiling" by the highest
+iperf3 median of any stream count on that path. ``--size`` defaults to 1 GiB so that a loopback iperf3 sample lasts
+a quarter of a second or more (256 MiB took about 65 ms, where start-up noise dominates). Targets: plaintext ≥ 90 %,
+TLS ≥ 60 %.
 
 TLS cost (second table): per path and stream count, TLS goodput / plaintext goodput, prfaas TLS goodput / the bare
 TLS copy's (same ``ssl`` module, one stream), and the receiving process's CPU seconds per GB pulled (all its
@@ -58,7 +62,7 @@ PY = str(ROOT / ".venv" / "bin" / "python")
 MOONCAKE_VENV = ROOT / "benchmarks" / ".venv-mooncake"
 PYOPENSSL_VENV = ROOT / "benchmarks" / ".venv-pyopenssl"
 STREAMS = (1, 2, 4)
-PULLS = 3  # pulls per prfaas process: the first one also pays for first-touching the receive arena
+PULLS = 3  # samples per tool and round (a prfaas process pulls once more first, cold)
 Wrap = Callable[[str, list[str]], list[str]]
 
 
@@ -177,12 +181,16 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
     failed: dict[tuple[str, int], list[str]] = {}
     pyopenssl = side_venv(PYOPENSSL_VENV, "pyopenssl")
 
+    cold: dict[tuple[str, int], list[float]] = {}  # a prfaas process's first pull, into a fresh arena
+
     def keep(tool: str, n: int, gbps: list[float], said: dict[str, Any] | None = None,
-             cpu_s_per_gb: list[float] | None = None) -> None:
+             cpu_s_per_gb: list[float] | None = None, first: list[float] | None = None) -> None:
         samples.setdefault((tool, n), []).extend(gbps)
+        cold.setdefault((tool, n), []).extend(first or [])
         cpu.setdefault((tool, n), []).extend(cpu_s_per_gb or [])
         extra.setdefault((tool, n), []).append(said or {})
-        print(f"  {tool:<18} {n}  {' / '.join(f'{g:.2f}' for g in gbps)} Gbit/s", flush=True)
+        print(f"  {tool:<18} {n}  {' / '.join(f'{g:.2f}' for g in gbps)} Gbit/s"
+              + (f" (cold {first[0]:.2f})" if first else ""), flush=True)
 
     for r in range(repeat):
         print(f" round {r + 1}/{repeat}", flush=True)
@@ -197,19 +205,20 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
             for n in STREAMS:
                 tool = "prfaas tls" if tls else "prfaas"
                 try:
-                    got = prfaas(wrap, host, size, n, PULLS, tls)
+                    got = prfaas(wrap, host, size, n, PULLS + 1, tls)
                 except RuntimeError as exc:  # counted and shown, not hidden: the bench pulls with retries=0
                     failed.setdefault((tool, n), []).append(str(exc)[-300:])
                     print(f"  {tool:<18} {n}  FAILED: {str(exc)[-200:]}", flush=True)
                     continue
-                keep(tool, n, [size * 8 / t / 1e9 for t in got["pull_seconds"]], got, got["pull_cpu_s_per_gb"])
+                rates = [size * 8 / t / 1e9 for t in got["pull_seconds"]]
+                keep(tool, n, rates[1:], got, got["pull_cpu_s_per_gb"][1:], rates[:1])
     if name == "loopback":
         mc = mooncake(size, repeat * PULLS)
         if isinstance(mc, list):
             keep("mooncake tcp", 1, mc)
         else:
             failed[("mooncake tcp", 1)] = [mc]
-    rows = [row(name, tool, n, got, cpu[(tool, n)], extra[(tool, n)], failed.get((tool, n), []))
+    rows = [row(name, tool, n, got, cpu[(tool, n)], extra[(tool, n)], failed.get((tool, n), []), cold[(tool, n)])
             for (tool, n), got in samples.items()]
     rows += [{"path": name, "tool": tool, "streams": n, "gbps": None, "failed_runs": errors}
              for (tool, n), errors in failed.items() if (tool, n) not in samples]
@@ -219,8 +228,9 @@ def measure_path(name: str, wrap: Wrap, host: str, size: int, repeat: int, certs
 
 
 def row(path: str, tool: str, n: int, gbps: list[float], cpu: list[float], said: list[dict[str, Any]],
-        failed: list[str]) -> dict[str, Any]:
-    """One tool's samples on one path: median goodput with its spread, receiver CPU s/GB likewise."""
+        failed: list[str], cold: list[float]) -> dict[str, Any]:
+    """One tool's samples on one path: median goodput with its spread, receiver CPU s/GB likewise, and the cold
+    first pulls' median apart."""
     rate, spent = spread(gbps), spread(cpu)
     out: dict[str, Any] = {"path": path, "tool": tool, "streams": n, "gbps": rate["median"], "gbps_q1": rate["q1"],
                            "gbps_q3": rate["q3"], "gbps_min": rate["min"], "gbps_max": rate["max"],
@@ -230,6 +240,8 @@ def row(path: str, tool: str, n: int, gbps: list[float], cpu: list[float], said:
     if tool.startswith("prfaas"):
         out |= {"push_gbps": statistics.median(s["push_gbps"] for s in said), "chunk_kb": said[0]["chunk_kb"],
                 "failed_runs": failed}
+    if cold:
+        out |= {"cold_gbps": statistics.median(cold), "cold_samples_gbps": [round(g, 3) for g in cold]}
     elif said and "sender_cpu_s_per_gb" in said[0]:
         out["sender_cpu_s_per_gb"] = statistics.median(s["sender_cpu_s_per_gb"] for s in said)
     return out

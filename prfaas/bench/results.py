@@ -55,7 +55,7 @@ ENGINE = View("decode throughput (median over the rounds, with min and max)", "r
 TRANSPORT = (
     View("goodput (median of equal samples, quartiles, range)", "rows", _cols(
         "path", "tool", "streams", "samples", "gbps", "gbps_q1", "gbps_q3", "gbps_min", "gbps_max", "vs_iperf3",
-        "vs_ceiling", "cpu_s_per_gb", "push_gbps")),
+        "vs_ceiling", "cpu_s_per_gb", "push_gbps", "cold_gbps")),
     View("TLS cost", "tls_cost", _cols("path", "streams", "goodput_ratio", "vs_tls_copy", "plain_cpu_s_per_gb",
                                        "tls_cpu_s_per_gb", "tls_copy_cpu_s_per_gb")),
 )

@@ -36,7 +36,6 @@ memory committed as its payload arrives.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import mmap
 import struct
@@ -220,10 +219,7 @@ async def _read_chunk(conn: Conn, head: bytes, length: int) -> bytearray | memor
 
 def _lazy(size: int) -> memoryview:
     """``size`` bytes of private anonymous memory, committed as it is first written (kept alive by its views)."""
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # a kernel without transparent huge pages refuses the advice
-            region.madvise(mmap.MADV_HUGEPAGE)  # fewer faults where transparent huge pages are "madvise"
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # no huge-page advice (buffers.new_arena)
     return memoryview(region)
 
 

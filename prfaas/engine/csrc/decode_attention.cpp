@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "exp2.h"
+#include "lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,27 +25,11 @@
 
 namespace {
 
-// A vector of float32 lanes as wide as the machine's registers (the compiler maps the type onto them): the kernel
-// runs kLanes positions at a time, and its dot products in kLanes partial sums.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
+// The kernel runs kLanes positions at a time, and its dot products in kLanes partial sums.
+using prfaas::kLanes, prfaas::Lanes, prfaas::LaneInts, prfaas::load, prfaas::store;
 constexpr int kMaxDim = 256;
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int kTile = 8;  // value chunks summed side by side
-
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t LaneIndex __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline Lanes load(const float* p) {
-  Lanes x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void store(float* p, Lanes x) { std::memcpy(p, &x, sizeof(x)); }
 
 // One step of summing kLanes vectors' lanes together. a and b each hold sums in segments of W lanes (the whole vector,
 // for W = kLanes); the result holds a's segments, then b's, each halved: lane i of its first half plus lane i of its
@@ -60,7 +45,7 @@ inline Lanes fold(Lanes a, Lanes b, std::integer_sequence<int, O...>) {
 #if defined(__clang__)
   return __builtin_shufflevector(a, b, first<W>(O)...) + __builtin_shufflevector(a, b, (first<W>(O) + W / 2)...);
 #else
-  return __builtin_shuffle(a, b, LaneIndex{first<W>(O)...}) + __builtin_shuffle(a, b, LaneIndex{(first<W>(O) + W / 2)...});
+  return __builtin_shuffle(a, b, LaneInts{first<W>(O)...}) + __builtin_shuffle(a, b, LaneInts{(first<W>(O) + W / 2)...});
 #endif
 }
 

@@ -16,6 +16,7 @@
 #include <ATen/Parallel.h>
 
 #include "exp2.h"
+#include "lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,26 +28,11 @@
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
+using prfaas::kLanes, prfaas::Lanes, prfaas::LaneInts, prfaas::load, prfaas::store;
 constexpr int kRows = 12;  // query rows of a tile: their score sums stay in registers beside one key vector
 constexpr int kTiles = 8;  // tiles of a task, which take each key block in turn while it is in the cache
 constexpr int kMaxDim = 256;
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t LaneInts __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-inline Lanes load(const float* p) {
-  Lanes x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-inline void store(float* p, Lanes x) { std::memcpy(p, &x, sizeof(x)); }
 
 inline float lane_max(Lanes x) {
   float l[kLanes];
@@ -57,23 +43,7 @@ inline float lane_max(Lanes x) {
 }
 
 // prfaas::exp2_clamped on every lane at once; -inf gives 0.
-inline Lanes exp2_lanes(Lanes x) {
-  Lanes t = x < -126.0f ? Lanes{} - 126.0f : x;
-  t = t > 127.0f ? Lanes{} + 127.0f : t;
-  const Lanes whole = (t + 12582912.0f) - 12582912.0f;
-  const Lanes f = t - whole;
-  Lanes p = Lanes{} + 1.540353039e-4f;
-  p = p * f + 1.333355815e-3f;
-  p = p * f + 9.618129108e-3f;
-  p = p * f + 5.550410866e-2f;
-  p = p * f + 2.402265070e-1f;
-  p = p * f + 6.931471806e-1f;
-  p = p * f + 1.0f;
-  const LaneInts bits = (__builtin_convertvector(whole, LaneInts) + 127) << 23;
-  Lanes scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x == -kInf ? Lanes{} : p * scale;
-}
+inline Lanes exp2_lanes(Lanes x) { return x == -kInf ? Lanes{} : prfaas::exp2_clamped<Lanes, LaneInts>(x); }
 
 // Which keys a query row attends: those in [lo, hi], all of them where `dense`, else as its mask row says.
 struct Span {
