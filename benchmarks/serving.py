@@ -5,7 +5,8 @@
                                            [--out benchmarks/results/serving.json]
 
 Each deployment is a real ``prfaas up`` driven through its OpenAI API with prompts of exact token lengths (token-id
-prompts, streaming, ``max_tokens`` 16, greedy; TTFT = the first chunk with choices):
+prompts, streaming, ``max_tokens`` 16, greedy, one kept-alive connection per deployment; TTFT = the first chunk with
+choices):
 - ``monolithic``: offload threshold above every prompt, so the decode instance prefills locally (same router,
   same HTTP path, no KV transfer);
 - ``relay`` / ``direct``: offload threshold 0, so every prompt is prefilled remotely and its KV crosses the
@@ -54,10 +55,12 @@ Run = Callable[[list[int]], dict[str, Any]]
 CONFIGS = ("engine", "engine chunked", "monolithic", "relay", "direct")
 
 
-def one_request(url: str, prompt: list[int]) -> dict[str, Any]:
+def one_request(client: httpx.Client, url: str, prompt: list[int]) -> dict[str, Any]:
+    """One streamed request on ``client``'s kept-alive connection, as a serving client sends it (a new client per
+    request would time its own set-up too: about 20 ms here, most of it loading the CA bundle)."""
     body = {"model": "", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
     started, ttft, extension = time.perf_counter(), None, dict[str, Any]()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
+    with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -118,7 +121,8 @@ def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[st
         ups = {name: stack.enter_context(deployment(model, mode, threshold=threshold, extra=("--dtype", dtype)))
                for name, mode, threshold in configs}
         runs: dict[str, Run] = {**{k: v for k, v in engine_runs(model, dtype).items() if k in only | {"engine"}},
-                                **{name: _request(url) for name, (url, _) in ups.items()}}
+                                **{name: _request(stack.enter_context(httpx.Client(timeout=600)), url)
+                                   for name, (url, _) in ups.items()}}
         pids = [proc.pid for _, proc in ups.values()]
         for run in runs.values():  # warm-up of every code path, with ids no measured prompt uses
             run([40000 + i % 9000 for i in range(min(lengths))])
@@ -142,8 +146,8 @@ def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[st
             write(rows, {**idle, "idle_cpu_share": share, "lengths_done": sorted({m for _, m in samples})})
 
 
-def _request(url: str) -> Run:
-    return lambda prompt: one_request(url, prompt)
+def _request(client: httpx.Client, url: str) -> Run:
+    return lambda prompt: one_request(client, url, prompt)
 
 
 def _summary(name: str, n: int, runs: list[dict[str, Any]], floor_s: float) -> dict[str, Any]:
