@@ -1,14 +1,16 @@
 """Peer identities on the HTTP control plane, and the role guard in front of an app.
 
 ``tls_protocol(ctx, on_refused)`` is the uvicorn protocol of a TLS listener: uvicorn hands it the plain TCP
-connection and it runs the handshake itself (``loop.start_tls``), so a failed handshake is known with the peer's
-address: a plaintext client (its first byte peeked) is answered ``403 KV_UNAUTHORIZED`` in plaintext; a missing,
-expired, revoked or untrusted certificate ends the connection (asyncio sends no TLS alert, so the client only sees
-it close); each one goes to ``on_refused`` (the audit log) with the reason in the log line. After the
-handshake it records the connection's verified peer by its client address (``PEERS``) for as long as the
-connection lives, since uvicorn does not put the client certificate into the ASGI scope; ``RoleGuard`` looks it up
-by ``scope["client"]`` and applies ``policy.authorize``. A refusal is answered 403 with ``KV_UNAUTHORIZED`` in the
-OpenAI error body, logged with the peer identity and handed to ``on_refused`` before the app sees the request.
+connection; it takes the socket over before anything is read and runs the handshake itself
+(``loop.connect_accepted_socket``: the same on asyncio's loop and on uvloop, which starts reading a connection
+whatever its ``connection_made`` asked), so a failed handshake is known with the peer's address: a plaintext
+client (its first byte peeked) is answered ``403 KV_UNAUTHORIZED`` in plaintext; a missing, expired, revoked or
+untrusted certificate ends the connection (asyncio sends no TLS alert, so the client only sees it close); each one
+goes to ``on_refused`` (the audit log) with the reason in the log line. After the handshake it records the
+connection's verified peer by its client address (``PEERS``) for as long as the connection lives, since uvicorn
+does not put the client certificate into the ASGI scope; ``RoleGuard`` looks it up by ``scope["client"]`` and
+applies ``policy.authorize``. A refusal is answered 403 with ``KV_UNAUTHORIZED`` in the OpenAI error body, logged
+with the peer identity and handed to ``on_refused`` before the app sees the request.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
+import socket
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,26 +47,17 @@ class PeerH11Protocol(H11Protocol):
     _handshake: asyncio.Task[None] | None = None
     _connected = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._early: list[bytes] = []
-
     def connection_made(self, transport: Any) -> None:
         if self.ssl_context is None or transport.get_extra_info("sslcontext") is not None:
-            return self._made(transport)
-        transport.pause_reading()  # nothing is read as HTTP before the handshake
-        self._handshake = self.loop.create_task(self._secure(transport))
-
-    def data_received(self, data: bytes) -> None:
-        if not self._connected:  # the request that arrived with the handshake's end, before start_tls returned
-            self._early.append(data)
-            return
-        super().data_received(data)
+            return self._made(transport)  # plaintext listener, or the handshake below is done
+        sock = transport.get_extra_info("socket").dup()  # the connection outlives the plain transport
+        sock.setblocking(False)
+        transport.set_protocol(asyncio.Protocol())  # its end is not this connection's
+        transport.abort()  # from connection_made: nothing was read, and never will be
+        self._handshake = self.loop.create_task(self._secure(sock))  # held: a task only the loop refers to can go
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self._connected:  # the peer left, or a read timeout closed it, during our handshake: uvicorn
-            if self._handshake is not None:  # never saw the connection; the first-byte wait must not hold it
-                self._handshake.cancel()
+        if not self._connected:  # never handed to uvicorn
             return
         if self.client:
             PEERS.pop((str(self.client[0]), int(self.client[1])), None)
@@ -75,34 +70,35 @@ class PeerH11Protocol(H11Protocol):
         if self.client:
             cert = ssl_object.getpeercert() if ssl_object is not None else None
             PEERS[(str(self.client[0]), int(self.client[1]))] = peer_from_cert(cert, str(self.client[0]))
-        early, self._early = self._early, []
-        for data in early:
-            super().data_received(data)
 
-    async def _secure(self, transport: Any) -> None:
+    async def _secure(self, sock: socket.socket) -> None:
         assert self.ssl_context is not None
-        peer = Peer(None, "", str((transport.get_extra_info("peername") or ("",))[0]))
+        peer, first = Peer(None, "", str(_peername(sock)[0])), b""
+        # the read timeouts (prfaas.security.readtimeout) time a request head from the connection's start
+        deadline = self.loop.time() + min(self.handshake_timeout_s, getattr(self, "header_timeout_s", math.inf))
         try:
-            first = await _first_byte(transport)
-            if not first:
-                transport.close()  # closed without a word (a port check): nothing to refuse
-                return
-            if first != TLS_HANDSHAKE:
-                self._refuse(peer, PLAINTEXT)
-                body = json.dumps(_error_body(KVUnauthorized("this server accepts TLS 1.3 only"))).encode()
-                transport.write(b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                                b"content-length: %d\r\n\r\n%s" % (len(body), body))
-                transport.close()
-                return
-            secured = await self.loop.start_tls(transport, self, self.ssl_context, server_side=True,
-                                                ssl_handshake_timeout=self.handshake_timeout_s)
+            async with asyncio.timeout_at(deadline):
+                first = await first_byte(sock)
+                if first and first != TLS_HANDSHAKE:
+                    self._refuse(peer, PLAINTEXT)
+                    body = json.dumps(_error_body(KVUnauthorized("this server accepts TLS 1.3 only"))).encode()
+                    await self.loop.sock_sendall(sock, b"HTTP/1.1 403 Forbidden\r\ncontent-type: application/json"
+                                                 b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                                                 % (len(body), body))
+        except (OSError, TimeoutError) as exc:  # the peer left, or said nothing in time
+            self._refuse(peer, handshake_reason(exc))
+            first = b""
+        finally:
+            if first != TLS_HANDSHAKE:  # refused, or a port check that closed without a word
+                sock.close()
+        if first != TLS_HANDSHAKE:
+            return
+        try:  # the transport owns the socket from here, and closes it on a failure; connection_made (above)
+            async with asyncio.timeout_at(deadline):  # sees it secured
+                await self.loop.connect_accepted_socket(lambda: self, sock, ssl=self.ssl_context,
+                                                        ssl_handshake_timeout=self.handshake_timeout_s)
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             self._refuse(peer, handshake_reason(exc))
-            transport.close()
-            return
-        if secured is None or secured.is_closing():
-            return
-        self._made(secured)
 
     def _refuse(self, peer: Peer, reason: str) -> None:
         refused(None, peer, "tls", reason)  # the log line; on_refused records it
@@ -117,13 +113,11 @@ def tls_protocol(ctx: ssl.SSLContext, on_refused: OnRefused | None = None) -> ty
     return type("TLSPeerH11Protocol", (PeerH11Protocol,), {"ssl_context": ctx, "on_refused": on_refused})
 
 
-async def _first_byte(transport: Any) -> bytes:
-    sock = transport.get_extra_info("socket").dup()  # asyncio's socket wrapper cannot peek; its duplicate can
+def _peername(sock: socket.socket) -> tuple[str, int]:
     try:
-        async with asyncio.timeout(PeerH11Protocol.handshake_timeout_s):
-            return await first_byte(sock)
-    finally:
-        sock.close()
+        return sock.getpeername()
+    except OSError:  # the peer already left
+        return ("", 0)
 
 
 def peer_of(scope: dict[str, Any]) -> Peer:

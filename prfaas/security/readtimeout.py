@@ -39,7 +39,7 @@ class ReadTimeouts(H11Protocol):
     body_timeout_s = 30.0
     _timer: asyncio.TimerHandle | None = None
     _phase = ""
-    _raw: Any = None  # the TCP transport, before a TLS handshake gives ``self.transport``
+    _raw: Any = None  # the TCP transport, before uvicorn has one (a TLS listener's handshake keeps the deadline itself)
 
     def connection_made(self, transport: Any) -> None:
         self._raw = transport

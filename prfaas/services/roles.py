@@ -10,7 +10,6 @@ this package and ``prfaas.vllm``). ``prfaas serve prefill|decode|relay`` calls `
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -139,7 +138,7 @@ def run_role(options: InstanceOptions, config: Config, build: Build) -> None:
     http.setup_logging(options.instance_id)
     server = build(options, config)
     try:
-        asyncio.run(server.run())
+        http.run(server.run())
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it caught again once it has stopped
         if not server.core.exit_code:
             raise  # an operator's Ctrl-C ends the process as one

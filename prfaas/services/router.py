@@ -7,7 +7,6 @@ leak checks of the tests).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -373,5 +372,5 @@ def run_router(config: Config, host: str, port: int, mode: str, insecure: bool =
     apikeys.check_exposure(host, config, insecure)
     router = Router(config, mode, security=Security.of(config, "router"))
     app = create_app(router)  # SIGTERM drains the router (app.state.drain, prfaas.services.drain.attach_router)
-    asyncio.run(http.serve(app, http.bind(host, port), ssl=router.security.server_ssl(client_certs=False),
+    http.run(http.serve(app, http.bind(host, port), ssl=router.security.server_ssl(client_certs=False),
                            server_class=drain.server_class(app.state.drain)))
