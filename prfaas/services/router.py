@@ -373,4 +373,4 @@ def run_router(config: Config, host: str, port: int, mode: str, insecure: bool =
     router = Router(config, mode, security=Security.of(config, "router"))
     app = create_app(router)  # SIGTERM drains the router (app.state.drain, prfaas.services.drain.attach_router)
     http.run(http.serve(app, http.bind(host, port), ssl=router.security.server_ssl(client_certs=False),
-                           server_class=drain.server_class(app.state.drain)))
+                        server_class=drain.server_class(app.state.drain)))

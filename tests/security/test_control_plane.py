@@ -41,7 +41,8 @@ async def call(url: str, verify: Any, path: str = "/prefill") -> httpx.Response:
         return await c.post(f"{url}{path}", json={"x": 1})
 
 
-def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
+@pytest.mark.parametrize("run", [asyncio.run, http.run], ids=["asyncio", "roles-loop"])  # the roles run on uvloop
+def test_only_the_router_assigns_work(pki: Path, as_role: Any, run: Any) -> None:
     security = as_role("prefill").security
     seen: list[str] = []
     refused: list[Any] = []
@@ -70,7 +71,7 @@ def test_only_the_router_assigns_work(pki: Path, as_role: Any) -> None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(scenario())
+    run(scenario())
     assert seen == ["prefill"]
     assert [(r.action, r.who, r.outcome) for r in refused] == [
         ("assign", "decode/decode@127.0.0.1", "KV_UNAUTHORIZED"), ("tls", "127.0.0.1", "KV_UNAUTHORIZED"),
