@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prfaas.config import PrefillConfig
+from prfaas.services import http
 from prfaas.services.decode_scheduler import DecodeScheduler, Prepared, Sequence
 
 if TYPE_CHECKING:  # the protocol's name only: importing prfaas.engine at run time loads torch
@@ -83,7 +84,7 @@ class InProcess:
                 raise ValueError("concurrency, max_tokens and the number of prompts must be at least 1")
             for ids in prompts:
                 self.engine.check_prompt(ids)  # empty, too long, ids outside the vocab
-            return asyncio.run(self.run(concurrency, prompts, max_tokens))
+            return http.run(self.run(concurrency, prompts, max_tokens))  # the event loop the roles run
         except Exception as exc:  # a bad line fails alone; the loop reads the next one
             return {"error": f"{type(exc).__name__}: {exc}"}
 
