@@ -86,8 +86,8 @@ class PeerH11Protocol(H11Protocol):
                                                  b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
                                                  % (len(body), body))
         except (OSError, TimeoutError) as exc:  # the peer left, or said nothing in time
-            self._refuse(peer, handshake_reason(exc))
-            first = b""
+            if not first:  # a plaintext peer that left before its 403 was refused once, above
+                self._refuse(peer, handshake_reason(exc))
         finally:
             if first != TLS_HANDSHAKE:  # refused, or a port check that closed without a word
                 sock.close()
