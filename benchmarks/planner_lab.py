@@ -15,7 +15,8 @@ times from ``prfaas measure`` of the same engine (``--profile``).
 Per setting it compares, predicted against measured: the KV bytes of each length (the plan's tensor bytes against
 the blob's tensor bytes from ``prfaas measure``, exact; and the served blobs' bytes against the measured blob,
 exact), the ``transfer_ms`` stage P50 / P99 and the exposed transfer (stage − queue − prefill) P50 / P99 over the
-mix (within 15 %), and the verdict: the plan's against the same rules applied to the measured figures.
+mix (within 15 %, or 10 ms where the figure is a few ms), and the verdict: the plan's against the same rules
+applied to the measured figures.
 
 Requests go one at a time (the link carries one blob at a time), so the plan runs at a QPS whose load leaves the
 link nearly free (``QPS``). The router's link-health fallback is turned off (``degrade_p99_ms`` large) so that every
@@ -62,6 +63,7 @@ PORT, PROBE_PORT, TCP_PORT = 8430, 5297, 5296
 QPS = 0.02  # the plan's load: one request at a time leaves the link free (ρ ≈ 1 % at 1 Gbit)
 TTFT_BUDGET_MS, E2E_BUDGET_MS = 2000.0, 10000.0  # transfer_p99 limit: 15 % of 10 s = 1.5 s
 TOLERANCE = 0.15
+TOLERANCE_MS = 10.0  # or this close: an exposure the prefill hides is a few ms, where a relative error means nothing
 VOCAB_LOW, VOCAB_SPAN = 1000, 1000  # the synthetic tokenizer's byte tokens: random ids share no prefix
 
 
@@ -202,15 +204,15 @@ def compare(predicted: dict[str, Any], profile: dict[str, Any], got: dict[str, A
     tensors = {int(r["seq_len"]): int(r["tensor_bytes"]) for r in profile["kv"]}
     served_exact = all(row["kv_bytes"] == [blob[row["seq_len"]]] for row in got["per_length"])
     plan_exact = all(r["kv_bytes"] == tensors[r["seq_len"]] for r in t["per_length"])
-    pairs = {"stage_p50": (t["p50"]["stage_ms"], got["stage_p50_ms"]),
-             "stage_p99": (t["p99"]["stage_ms"], got["stage_p99_ms"]),
-             "exposed_p50": (t["p50"]["exposed_ms"], got["exposed_p50_ms"]),
-             "exposed_p99": (t["p99"]["exposed_ms"], got["exposed_p99_ms"])}
+    pairs = {k: (t["over_mix"][f"{k}_ms"], got[f"{k}_ms"])
+             for k in ("stage_p50", "stage_p99", "exposed_p50", "exposed_p99")}
     errors = {k: off(p, m) for k, (p, m) in pairs.items()}
+    gaps = {k: None if p is None or m is None else round(p - m, 1) for k, (p, m) in pairs.items()}
+    close = [g is not None and (abs(g) <= TOLERANCE_MS or abs(errors[k] or 0.0) <= TOLERANCE) for k, g in gaps.items()]
     return {"kv_bytes_plan_exact": plan_exact, "kv_bytes_served_exact": served_exact,
             "predicted_ms": {k: None if p is None else round(p, 1) for k, (p, _) in pairs.items()},
             "measured_ms": {k: None if m is None else round(m, 1) for k, (_, m) in pairs.items()},
-            "error": errors, "within": all(e is not None and abs(e) <= TOLERANCE for e in errors.values()),
+            "error": errors, "error_ms": gaps, "within": all(close),
             "verdict_predicted": predicted["verdict"], "verdict_measured": verdict["verdict"],
             "verdict_same": predicted["verdict"] == verdict["verdict"]}
 
@@ -331,7 +333,8 @@ def write_report(args: argparse.Namespace, profile: dict[str, Any], rows: list[d
     """The JSON of the settings done so far (rewritten after each one: a cut run keeps what it measured)."""
     report = {"provenance": provenance(), "model": MODEL, "plan_config": str(CONFIG.relative_to(ROOT)),
               "lengths": list(LENGTHS), "repeats": args.repeats, "qps": QPS, "ttft_budget_ms": TTFT_BUDGET_MS,
-              "e2e_budget_ms": E2E_BUDGET_MS, "tolerance": TOLERANCE, "wall_s": round(time.perf_counter() - began, 1),
+              "e2e_budget_ms": E2E_BUDGET_MS, "tolerance": TOLERANCE, "tolerance_ms": TOLERANCE_MS,
+              "wall_s": round(time.perf_counter() - began, 1),
               "profile": profile, "rows": rows,
               "wire_rows": [{"rate": r["rate"], "rtt_ms": r["rtt_ms"], "loss_pct": r["loss_pct"], **w}
                             for r in rows for w in r["wire"]],

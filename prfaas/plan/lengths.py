@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
@@ -50,6 +51,17 @@ class LengthDist:
             if acc >= q - 1e-12:
                 return n
         return self.lengths[-1]
+
+    def quantile_of(self, values: Sequence[float], q: float) -> float:
+        """The ``q``-quantile over the mix of a per-length quantity (``values[i]`` for ``lengths[i]``): the
+        quantity at the length quantile only where it grows with length, which an exposed transfer need not."""
+        acc = 0.0
+        ranked = sorted(zip(values, self.weights, strict=True))
+        for value, w in ranked:
+            acc += w
+            if acc >= q - 1e-12:
+                return value
+        return ranked[-1][0]
 
     def to_json(self) -> dict[str, object]:
         return {"source": self.source, "mean": self.mean(), "p50": self.quantile(0.5),

@@ -11,8 +11,9 @@ Rules (each reported with value, limit and margin):
   It ignores the overlap of transfer with prefill (layer-wise streaming), so it errs on the safe side.
 
 ``transfer_json`` adds what the serving path will show at that load: the ``transfer_ms`` stage and its exposed
-part for each length of the mix and at its P50 and P99 lengths (the P99 with the tail), in relay or direct mode,
-with the prefill and encoding times of a speed profile when one is given (``prfaas.plan.transfer``).
+part for each length of the mix, at its P50 and P99 lengths, and as P50 and P99 over the mix (the P99s with the
+tail), in relay or direct mode, with the prefill and encoding times of a speed profile when one is given
+(``prfaas.plan.transfer``).
 """
 
 from __future__ import annotations
@@ -102,10 +103,11 @@ def transfer_ms(nbytes: int, link: LinkSpec, load_bps: float) -> float:
 def transfer_json(curve: KVCurve, mix: LengthDist, link: LinkSpec, load_bps: float,
                   prefill_ms: Callable[[int], float] | None = None, encode_ms: Callable[[int], float] | None = None,
                   mode: str = "relay") -> dict[str, Any]:
-    """The serving path's predicted transfer stage and exposed transfer (ms) in ``mode`` per length of ``mix`` and
-    at its P50 and P99 lengths, at the bandwidth ``load_bps`` leaves; ``prefill_ms`` and ``encode_ms`` (a speed
-    profile's) let the stream overlap the forward pass, without them nothing overlaps. Null where the link is
-    saturated."""
+    """The serving path's predicted transfer stage and exposed transfer (ms) in ``mode`` per length of ``mix``, at
+    its P50 and P99 lengths, and their P50 and P99 over the mix (``over_mix``: what a run of the mix measures; a
+    short prompt can expose more than the P99 one, having less prefill to hide behind), at the bandwidth
+    ``load_bps`` leaves; ``prefill_ms`` and ``encode_ms`` (a speed profile's) let the stream overlap the forward
+    pass, without them nothing overlaps. Null where the link is saturated."""
     free = link.bandwidth_bps - load_bps
     compute, encode = prefill_ms or (lambda n: 0.0), encode_ms or (lambda n: 0.0)
 
@@ -117,9 +119,17 @@ def transfer_json(curve: KVCurve, mix: LengthDist, link: LinkSpec, load_bps: flo
                "stage_ms": t.stage_ms + tail, "exposed_ms": t.exposed_ms + tail}
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
 
-    p50, p99 = one(mix.quantile(0.5)), one(mix.quantile(0.99), tail_ms(link))
-    return {"per_length": [one(n) for n in mix.lengths], "p50": p50, "p99": p99, "mode": mode,
-            "free_bandwidth_bps": max(0.0, free), "overlap": prefill_ms is not None}
+    rows, tail = [one(n) for n in mix.lengths], tail_ms(link)
+
+    def over_mix(key: str, q: float, extra: float = 0.0) -> float | None:
+        values = [row[key] for row in rows]
+        return None if any(v is None for v in values) else mix.quantile_of(values, q) + extra
+
+    quantiles = {"stage_p50_ms": over_mix("stage_ms", 0.5), "stage_p99_ms": over_mix("stage_ms", 0.99, tail),
+                 "exposed_p50_ms": over_mix("exposed_ms", 0.5), "exposed_p99_ms": over_mix("exposed_ms", 0.99, tail)}
+    return {"per_length": rows, "p50": one(mix.quantile(0.5)), "p99": one(mix.quantile(0.99), tail),
+            "over_mix": quantiles, "mode": mode, "free_bandwidth_bps": max(0.0, free),
+            "overlap": prefill_ms is not None}
 
 
 def _check(rule: str, value: float, limit: float, unit: str, what: str) -> Check:

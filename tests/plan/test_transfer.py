@@ -14,6 +14,7 @@ from prfaas.cli import app
 from prfaas.config import TransferConfig
 from prfaas.errors import InvalidRequest
 from prfaas.kv.state import DEFAULT_CHUNK_BYTES
+from prfaas.plan.lengths import LengthDist
 from prfaas.plan.link import LinkSpec, transfer_ms
 from prfaas.plan.transfer import CHUNK_BYTES, INITIAL_WINDOW, PUSH_QUEUE_BYTES, TCP_IP_OVERHEAD, predict, wire_ms
 from prfaas.services import sinks
@@ -102,6 +103,12 @@ def test_plan_link_reports_the_transfer_stage_with_a_profile(tmp_path: Path) -> 
     assert t["p50"]["instance_prefill_ms"] == pytest.approx(436)
     assert t["p50"]["stage_ms"] == pytest.approx(wire_ms(55_967_744, 1e9, 50) + 50 - 125)
     assert t["p50"]["exposed_ms"] == pytest.approx(t["p50"]["stage_ms"] - t["p50"]["instance_prefill_ms"])
+    exposed = {r["seq_len"]: r["exposed_ms"] for r in t["per_length"]}
+    assert exposed[1024] > exposed[16384]  # the short prompt has less prefill to hide its wire behind
+    assert t["over_mix"]["exposed_p99_ms"] == pytest.approx(max(exposed.values()) + 10)  # with the tail, P99 − P50
+    assert t["over_mix"]["exposed_p99_ms"] > t["p99"]["exposed_ms"]  # the P99 over the mix, not the P99 length's
+    assert t["over_mix"]["exposed_p50_ms"] == pytest.approx(exposed[4096])
+    assert t["over_mix"]["stage_p50_ms"] == pytest.approx(t["p50"]["stage_ms"])
     direct = run_json(*args, "--mode", "direct")["transfer"]
     assert direct["p50"]["stage_ms"] == pytest.approx(wire_ms(55_967_744, 1e9, 50) + 25)
     assert direct["p50"]["instance_prefill_ms"] == pytest.approx(436)
@@ -111,3 +118,11 @@ def test_plan_link_refuses_an_unknown_mode() -> None:
     res = CliRunner().invoke(app, ["plan", "link", "--config", str(KIMI), "--bandwidth", "1gbit", "--rtt-ms", "5",
                                    "--qps", "1", "--ttft-budget-ms", "2000", "--mode", "sideways"])
     assert isinstance(res.exception, InvalidRequest) and "--mode must be one of relay, direct" in str(res.exception)
+
+
+def test_a_quantile_over_the_mix_ranks_the_quantity_not_the_length() -> None:
+    mix = LengthDist.of({1024: 0.6, 4096: 0.3, 16384: 0.1})
+    exposed = [500.0, 100.0, 5.0]  # falls with length
+    assert mix.quantile_of(exposed, 0.5) == 500.0 and mix.quantile(0.5) == 1024
+    assert mix.quantile_of(exposed, 0.3) == 100.0  # 16384's 5 ms holds 10 %, 4096's 100 ms the next 30 %
+    assert mix.quantile_of(exposed, 0.1) == 5.0 and mix.quantile_of(exposed, 0.99) == 500.0
