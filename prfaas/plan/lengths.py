@@ -45,12 +45,7 @@ class LengthDist:
         return sum(n * w for n, w in zip(self.lengths, self.weights, strict=True))
 
     def quantile(self, q: float) -> int:
-        acc = 0.0
-        for n, w in zip(self.lengths, self.weights, strict=True):
-            acc += w
-            if acc >= q - 1e-12:
-                return n
-        return self.lengths[-1]
+        return int(self.quantile_of(self.lengths, q))
 
     def quantile_of(self, values: Sequence[float], q: float) -> float:
         """The ``q``-quantile over the mix of a per-length quantity (``values[i]`` for ``lengths[i]``): the
