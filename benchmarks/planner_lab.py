@@ -208,7 +208,8 @@ def compare(predicted: dict[str, Any], profile: dict[str, Any], got: dict[str, A
              for k in ("stage_p50", "stage_p99", "exposed_p50", "exposed_p99")}
     errors = {k: off(p, m) for k, (p, m) in pairs.items()}
     gaps = {k: None if p is None or m is None else round(p - m, 1) for k, (p, m) in pairs.items()}
-    close = [g is not None and (abs(g) <= TOLERANCE_MS or abs(errors[k] or 0.0) <= TOLERANCE) for k, g in gaps.items()]
+    close = [g is not None and (abs(g) <= TOLERANCE_MS or (e is not None and abs(e) <= TOLERANCE))
+             for g, e in ((gaps[k], errors[k]) for k in pairs)]
     return {"kv_bytes_plan_exact": plan_exact, "kv_bytes_served_exact": served_exact,
             "predicted_ms": {k: None if p is None else round(p, 1) for k, (p, _) in pairs.items()},
             "measured_ms": {k: None if m is None else round(m, 1) for k, (_, m) in pairs.items()},
