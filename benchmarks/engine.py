@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engine.py [--models smollm2-135m,tiny-qwen3-next] [--concurrency 1,8,32,64]
         [--dtype auto] [--repeats 3] [--threads N] [--no-vllm] [--vllm-modes compiled,eager] [--sequential-max 8]
-        [--out benchmarks/results/engine.json]
+        [--split-cores] [--out benchmarks/results/engine.json]
 
 Every system is driven the same way through its OpenAI API: random token-id prompts of 256 tokens, 64 output
 tokens with ``ignore_eos``, greedy, streaming with ``stream_options.include_usage``, ``concurrency`` requests in
@@ -41,6 +41,14 @@ prfaas and vLLM alternating, so a load that others put on the machine falls on b
 and the spread (quartiles, min, max) over the repeats, and every row records the 1-minute load average and
 ``overloaded`` when it exceeded the core count: vLLM pins its OpenMP threads to the cores, and its steps then wait
 on threads that others' processes have descheduled, so such rows compare the machine's load, not the systems.
+
+``--split-cores`` (``prfaas.bench.cores``) gives every system's engine processes the first half of the cores and
+everything around them the other half, as a deployment gives its engines hardware of their own: prfaas's decode
+instance (its HTTP loop included) and the in-process engine loop on the first, ``prfaas up``, its router and its idle
+prefill instance on the second; vLLM's engine core and worker on the first (``VLLM_CPU_OMP_THREADS_BIND``), its API
+server on the second; this process's clients on the second; every engine with a thread per core of its half. The
+rows then compare the engines with their serving paths beside them rather than on top of them.
+``prfaas disaggregated`` (two engine processes) and ``prfaas sequential`` do not run then.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.cores import CoreSplit
 from prfaas.bench.fair import log_tail, preloads, prfaas_dtypes, read_stream, spread, tpot_s, tree_cpu_s, vllm_start
 from prfaas.bench.provenance import provenance
 from tests.services.deploy import deployment, free_port
@@ -205,12 +214,13 @@ def prfaas_up(model: str, dtype: str, batch: int, threshold: int = 100000, threa
 
 
 @contextmanager
-def inprocess_up(model: str, dtype: str, batch: int) -> Iterator[tuple[Target, str]]:
+def inprocess_up(model: str, dtype: str, batch: int, cores: CoreSplit | None = None) -> Iterator[tuple[Target, str]]:
     """prfaas's decode engine loop with no service around it (``prfaas.bench.inprocess``), in a process of its own
-    with the environment ``prfaas up`` gives its engines; yields its target and the dtype it reports."""
+    with the environment ``prfaas up`` gives its engines (on ``cores.engines`` where given); yields its target and the
+    dtype it reports."""
     from prfaas.services.up import shared_cores_env
 
-    env = shared_cores_env(os.environ, "prfaas") or dict(os.environ)
+    env = {**(shared_cores_env(os.environ, "prfaas") or os.environ), **(cores.env() if cores else {})}
     cmd = [sys.executable, "-m", "prfaas.bench.inprocess", "--model", model, "--dtype", dtype, "--batch", str(batch)]
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     assert proc.stdin is not None and proc.stdout is not None
@@ -224,6 +234,8 @@ def inprocess_up(model: str, dtype: str, batch: int) -> Iterator[tuple[Target, s
         return rates(answer["runs"], answer["wall"])
 
     try:
+        if cores is not None:
+            cores.place(proc.pid, lambda _: True)
         ready = json.loads(stdout.readline() or "{}")
         if "ready" not in ready:
             raise SystemExit(f"prfaas in process did not start (exit code {proc.poll()})")
@@ -265,10 +277,10 @@ def installed_vllm() -> str | None:
 
 
 @contextmanager
-def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]:
+def vllm_up(dtype: str, log_path: Path, run: VllmRun, cores: CoreSplit | None = None) -> Iterator[Target | None]:
     """vLLM serving the converted SmolLM2 in ``dtype`` (eagerly where ``run.eager``); yields its target, or None
     with ``run.skipped`` saying why. Its whole log goes to ``log_path``; what it reports about itself goes into
-    ``run``."""
+    ``run``. With ``cores``, its engine core and worker run on ``cores.engines``, its API server on ``cores.rest``."""
     from prfaas.engine.models import smollm2_dir
 
     run.installed = installed_vllm()
@@ -283,7 +295,7 @@ def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]
     libs = preloads([Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/lib"), VLLM_VENV / "lib"])
     run.preload = [str(p) for p in libs]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+           "VLLM_CPU_OMP_THREADS_BIND": cores.cpu_list() if cores else f"0-{(os.cpu_count() or 1) - 1}",
            "LD_PRELOAD": ":".join([*run.preload, *filter(None, [os.environ.get("LD_PRELOAD")])])}
     env.pop("OMP_NUM_THREADS", None)
     cmd = [str(VLLM_VENV / "bin" / "python"), str(script), "serve", str(smollm2_dir()), "--served-model-name",
@@ -295,6 +307,8 @@ def vllm_up(dtype: str, log_path: Path, run: VllmRun) -> Iterator[Target | None]
     try:
         if _healthy(proc, url, 600):
             _read_back(run, log_path)
+            if cores is not None:  # the API server is the launcher; every process it started serves its engine
+                cores.place(proc.pid, lambda command: command[:2] != cmd[:2])
             yield Target(run.system, url, proc.pid)
         else:
             run.skipped = f"it did not come up (exit code {proc.poll()}; log: {log_path})"
@@ -328,20 +342,24 @@ def _healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> bool:
 
 def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: list[VllmRun], out: Path,
                 sequential_max: int, rows: list[dict[str, Any]], seen: dict[str, str | None],
-                save: Callable[[], None]) -> None:
+                save: Callable[[], None], split_cores: CoreSplit | None = None) -> None:
     """prfaas batched, and for SmolLM2 prfaas disaggregated and each of ``vllms``, all up at once and measured level
     by level, interleaved; then prfaas sequential.
     Appends to ``rows``, puts the dtype each system reported in ``seen``, and
-    calls ``save`` after each level (a run cut short keeps what it measured)."""
+    calls ``save`` after each level (a run cut short keeps what it measured). ``split_cores``: every engine on its
+    first half, no disaggregated or sequential rows (see the module docstring)."""
     vllms = vllms if model == "smollm2-135m" else []
     # two engine processes on the same cores: each takes its half, as disaggregated peers bind disjoint cores
     # (both with a thread per core, each one's OpenMP threads spin-wait on cores the other needs)
     cores = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 2)  # --threads, else one per core
     split = prfaas_up(model, dtype, 64, threshold=0, threads=max(1, cores // 2)) \
-        if model == "smollm2-135m" else nullcontext((None, 0))
-    with prfaas_up(model, dtype, 64) as (url, pid), split as (split_url, split_pid), ExitStack() as stack:
-        inprocess, seen["prfaas in process"] = stack.enter_context(inprocess_up(model, dtype, 64))
-        peers = [(run, stack.enter_context(vllm_up(dtype, vllm_log(out, run), run))) for run in vllms]
+        if model == "smollm2-135m" and split_cores is None else nullcontext((None, 0))
+    batched = prfaas_up(model, dtype, 64, threads=split_cores.threads if split_cores else None)
+    with batched as (url, pid), split as (split_url, split_pid), ExitStack() as stack:
+        if split_cores is not None:
+            split_cores.place(pid, lambda command: "serve" in command and "decode" in command)
+        inprocess, seen["prfaas in process"] = stack.enter_context(inprocess_up(model, dtype, 64, split_cores))
+        peers = [(run, stack.enter_context(vllm_up(dtype, vllm_log(out, run), run, split_cores))) for run in vllms]
         seen["prfaas"] = prfaas_dtype(url)
         if split_url:
             seen["prfaas disaggregated"] = prfaas_dtype(split_url)
@@ -359,7 +377,7 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: 
             rows += level(targets, model, c, repeats)
             save()
     # one sequence at a time cannot go faster with more clients waiting: measured up to sequential_max
-    if any(c <= sequential_max for c in levels):
+    if any(c <= sequential_max for c in levels) and split_cores is None:
         with prfaas_up(model, dtype, 1) as (url, pid):
             for c in (c for c in levels if c <= sequential_max):
                 rows += level([Target("prfaas sequential", url, pid)], model, c, repeats)
@@ -396,9 +414,17 @@ def main() -> None:
                         "concurrency (0: not at all)")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads for prfaas (0: torch's "
                         "default, the core count)")
+    parser.add_argument("--split-cores", action="store_true", help="every engine on the first half of the cores, "
+                        "its HTTP front end, router and the clients on the other (no prfaas disaggregated and "
+                        "sequential rows)")
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    split_cores = CoreSplit.halves() if args.split_cores else None
+    if split_cores is not None:
+        if args.threads:
+            parser.error("--split-cores gives every engine a thread per core of its half: no --threads")
+        os.sched_setaffinity(0, split_cores.rest)  # this process's clients
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in every prfaas process
     dtype, out = resolve(args.dtype), Path(args.out)
@@ -414,12 +440,14 @@ def main() -> None:
         peer = {"vllm_pin": VLLM_PIN, "runs": {r.system: vars(r) for r in vllms}} if vllms else {"skipped": "--no-vllm"}
         out.write_text(json.dumps({"provenance": provenance(), "dtype_asked": args.dtype, "dtype": dtype,
                                    "dtype_read_back": seen, "prompt": PROMPT, "output": OUTPUT,
-                                   "repeats": args.repeats, "threads": args.threads or os.cpu_count(),
+                                   "repeats": args.repeats,
+                                   "threads": split_cores.threads if split_cores else args.threads or os.cpu_count(),
+                                   "split_cores": split_cores.json() if split_cores else None,
                                    "vllm": peer, "rows": rows}, indent=2))
 
     for model in args.models.split(","):
         bench_model(model, dtype, levels, args.repeats, vllms, out, args.sequential_max, rows,
-                    seen.setdefault(model, {}), save)
+                    seen.setdefault(model, {}), save, split_cores)
     save()  # again: vLLM's read-back and log tail are complete once it has stopped
     print_table(rows, dtype)
     for run in vllms:

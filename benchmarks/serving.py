@@ -22,11 +22,11 @@ Every row gives the median TTFT with quartiles, min, max and every sample, and `
 ``vs_engine``: the median over the engine's median; the goal is within 5 % or 50 ms, whichever is larger.
 ``--dtype auto`` is prfaas's (bfloat16 where the CPU multiplies it natively, else float32).
 
-``--split-cores`` gives the prefill side cores of its own, as a deployment that prefills in another datacenter has:
-the cores this process may use are cut in two halves; every prefill instance and the engine rows' thread run on the
-first, everything else (decode instances, relays, routers, ``prfaas up`` and this process's clients) on the second,
-and every process runs as many OpenMP threads as a half has cores. Without it every role shares all the cores, and a
-remote prefill competes with its own KV's pull and restore on the decode side.
+``--split-cores`` gives the prefill side cores of its own, as a deployment that prefills in another datacenter has
+(``prfaas.bench.cores``): every prefill instance and the engine rows' thread run on the first half of the cores,
+everything else (decode instances, relays, routers, ``prfaas up`` and this process's clients) on the second, and every
+process runs as many OpenMP threads as a half has cores. Without it every role shares all the cores, and a remote
+prefill competes with its own KV's pull and restore on the decode side.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from prfaas.bench.cores import CoreSplit
 from prfaas.bench.fair import spread, tree_cpu_s
 from prfaas.bench.provenance import provenance
 from tests.services.deploy import deployment
@@ -85,52 +85,13 @@ def prompts(length: int, repeats: int) -> list[list[int]]:
     return [[rng.randrange(1000, 40000) for _ in range(length)] for _ in range(repeats)]
 
 
-@dataclass(frozen=True)
-class Cores:
-    """Where the processes run: ``prefill`` for prefill instances and the engine rows, ``rest`` for the others,
-    each process with ``threads`` OpenMP threads (None: all the cores for everyone, torch's default threads)."""
-
-    prefill: frozenset[int] | None = None
-    rest: frozenset[int] | None = None
-    threads: int | None = None
-
-    @classmethod
-    def split(cls) -> Cores:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < 2:
-            raise SystemExit("--split-cores needs at least 2 cores")
-        half = len(cores) // 2
-        return cls(frozenset(cores[:half]), frozenset(cores[half:]), half)
-
-    def env(self) -> dict[str, str]:
-        return {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
-
-    def place(self, root: int) -> None:
-        """Pin every thread of ``root``'s process tree: prefill instances to ``prefill``, the rest to ``rest``
-        (threads started later inherit their creator's cores)."""
-        if self.prefill is None or self.rest is None:
-            return
-        import psutil
-
-        for proc in [psutil.Process(root), *psutil.Process(root).children(recursive=True)]:
-            command = proc.cmdline()
-            cores = self.prefill if "serve" in command and "prefill" in command else self.rest
-            for thread in proc.threads():
-                os.sched_setaffinity(thread.id, cores)
-
-    def json(self) -> dict[str, Any] | None:
-        if self.prefill is None or self.rest is None:
-            return None
-        return {"prefill": sorted(self.prefill), "rest": sorted(self.rest), "threads": self.threads}
-
-
-def engine_runs(model: str, dtype: str, cores: Cores) -> dict[str, Run]:
+def engine_runs(model: str, dtype: str, cores: CoreSplit | None) -> dict[str, Run]:
     """The in-process floor (one forward pass) and the same prefill chunked as an instance runs it."""
     import torch
 
     from prfaas.engine import load_engine
 
-    if cores.threads:
+    if cores is not None:
         torch.set_num_threads(cores.threads)
     engine = load_engine(model, dtype=dtype)
 
@@ -138,8 +99,8 @@ def engine_runs(model: str, dtype: str, cores: Cores) -> dict[str, Run]:
     # same prefill took 5-22 s on a process's main thread against 1.7-2.0 s on another thread (SmolLM2, 1,024
     # tokens, 2 cores at load 13), so a floor measured on the main thread would flatter every deployment.
     def pin() -> None:  # the engine thread on the prefill side's cores, where a deployment's prefill instance runs
-        if cores.prefill is not None:
-            os.sched_setaffinity(0, cores.prefill)
+        if cores is not None:
+            os.sched_setaffinity(0, cores.engines)
 
     thread = ThreadPoolExecutor(1, thread_name_prefix="engine", initializer=pin)
 
@@ -165,20 +126,21 @@ def engine_runs(model: str, dtype: str, cores: Cores) -> dict[str, Run]:
     return {"engine": timed(whole), "engine chunked": timed(chunked)}
 
 
-def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[str], cores: Cores,
+def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[str], cores: CoreSplit | None,
           write: Callable[[list[dict[str, Any]], dict[str, Any]], None]) -> None:
     """Every configuration up at once, taking turns prompt by prompt; ``write`` gets the rows so far and the idle
     deployments' CPU use during the engine rows after each length (a run cut short keeps what it measured)."""
     configs = [(name, mode, threshold) for name, mode, threshold in (
         ("monolithic", "direct", max(lengths) + 1), ("relay", "relay", 0), ("direct", "direct", 0)) if name in only]
-    if cores.rest is not None:
+    if cores is not None:
         os.sched_setaffinity(0, cores.rest)  # this process's clients; the engine rows' thread pins itself
     with contextlib.ExitStack() as stack:
         ups = {name: stack.enter_context(deployment(model, mode, threshold=threshold, extra=("--dtype", dtype),
-                                                    env=cores.env()))
+                                                    env=cores.env() if cores else None))
                for name, mode, threshold in configs}
         for _, proc in ups.values():
-            cores.place(proc.pid)
+            if cores is not None:  # prefill instances on the engines' half
+                cores.place(proc.pid, lambda command: "serve" in command and "prefill" in command)
         engines = engine_runs(model, dtype, cores)
         runs: dict[str, Run] = {**{k: v for k, v in engines.items() if k in only | {"engine"}},
                                 **{name: _request(stack.enter_context(httpx.Client(timeout=600)), url)
@@ -272,7 +234,7 @@ def main() -> None:
     from prfaas.engine.loader import native_dtype
 
     dtype = native_dtype() if args.dtype == "auto" else args.dtype
-    cores = Cores.split() if args.split_cores else Cores()
+    cores = CoreSplit.halves() if args.split_cores else None
     out = Path(args.out)
     done: dict[str, Any] = {"rows": [], "idle": {}}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -281,7 +243,7 @@ def main() -> None:
         done.update(rows=rows, idle=idle)
         out.write_text(json.dumps({"provenance": provenance(), "model": args.model, "dtype_asked": args.dtype,
                                    "dtype": dtype, "repeats": args.repeats, "chunk_tokens": CHUNK_TOKENS,
-                                   "split_cores": cores.json(),
+                                   "split_cores": cores.json() if cores else None,
                                    "idle_deployments": idle, "rows": rows}, indent=2))
 
     bench(args.model, dtype, [int(x) for x in args.lengths.split(",")], args.repeats, set(args.configs.split(",")),

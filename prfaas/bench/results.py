@@ -65,6 +65,7 @@ SERVING = View("TTFT against the in-process engine (ms, medians and quartiles)",
     "e2e_ms"))
 SOURCES: dict[str, Source] = {
     "engine.json": Source("benchmarks/engine.py", (ENGINE,), PY + "benchmarks/engine.py"),
+    "engine-split.json": Source("benchmarks/engine.py", (ENGINE,)),
     "engine_profile.json": Source("benchmarks/engine_profile.py", (View(
         "a step's time by variant: linears plain or packed, attention PyTorch's or prfaas's kernel, layers as "
         "transformers runs them or fused (ms: medians over the timed steps; the split from one profiled series)",
@@ -189,6 +190,7 @@ SOURCES: dict[str, Source] = {
 
 TITLES = {
     "engine.json": "decode throughput, prfaas against vLLM",
+    "engine-split.json": "decode throughput, prfaas against vLLM, every engine on cores of its own",
     "engine_profile.json": "where a decode step's time goes, linears plain and packed, prfaas's kernels",
     "shared_cores.json": "two engine processes on the same cores, against libgomp's spin-wait",
     "cuda_path.json": "the engine and the vLLM connector's block copies on a GPU",
