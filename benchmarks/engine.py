@@ -370,6 +370,8 @@ def bench_model(model: str, dtype: str, levels: list[int], repeats: int, vllms: 
                     raise SystemExit(f"{peer.system}: vLLM says enforce_eager={run.eager_read_back}")
         if len(set(seen.values())) != 1 or None in seen.values():
             raise SystemExit(f"{model}: the systems do not run one dtype ({seen}; asked for {dtype})")
+        if split_cores is not None:  # this process's clients, once every system has started from all the cores
+            os.sched_setaffinity(0, split_cores.rest)
         targets = [Target("prfaas batched", url, pid), inprocess,
                    *([Target("prfaas disaggregated", split_url, split_pid)] if split_url else []),
                    *(peer for _, peer in peers if peer)]
@@ -421,10 +423,8 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     split_cores = CoreSplit.halves() if args.split_cores else None
-    if split_cores is not None:
-        if args.threads:
-            parser.error("--split-cores gives every engine a thread per core of its half: no --threads")
-        os.sched_setaffinity(0, split_cores.rest)  # this process's clients
+    if split_cores is not None and args.threads:
+        parser.error("--split-cores gives every engine a thread per core of its half: no --threads")
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # torch's intra-op threads in every prfaas process
     dtype, out = resolve(args.dtype), Path(args.out)

@@ -132,8 +132,6 @@ def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[st
     deployments' CPU use during the engine rows after each length (a run cut short keeps what it measured)."""
     configs = [(name, mode, threshold) for name, mode, threshold in (
         ("monolithic", "direct", max(lengths) + 1), ("relay", "relay", 0), ("direct", "direct", 0)) if name in only]
-    if cores is not None:
-        os.sched_setaffinity(0, cores.rest)  # this process's clients; the engine rows' thread pins itself
     with contextlib.ExitStack() as stack:
         ups = {name: stack.enter_context(deployment(model, mode, threshold=threshold, extra=("--dtype", dtype),
                                                     env=cores.env() if cores else None))
@@ -142,6 +140,8 @@ def bench(model: str, dtype: str, lengths: list[int], repeats: int, only: set[st
             if cores is not None:  # prefill instances on the engines' half
                 cores.place(proc.pid, lambda command: "serve" in command and "prefill" in command)
         engines = engine_runs(model, dtype, cores)
+        if cores is not None:  # this process's clients, once every deployment has started from all the cores
+            os.sched_setaffinity(0, cores.rest)
         runs: dict[str, Run] = {**{k: v for k, v in engines.items() if k in only | {"engine"}},
                                 **{name: _request(stack.enter_context(httpx.Client(timeout=600)), url)
                                    for name, (url, _) in ups.items()}}
