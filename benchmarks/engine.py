@@ -422,7 +422,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/engine.json")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    split_cores = CoreSplit.halves() if args.split_cores else None
+    try:
+        split_cores = CoreSplit.halves() if args.split_cores else None
+    except ValueError as exc:
+        parser.error(f"--split-cores: {exc}")
     if split_cores is not None and args.threads:
         parser.error("--split-cores gives every engine a thread per core of its half: no --threads")
     if args.threads:

@@ -234,7 +234,10 @@ def main() -> None:
     from prfaas.engine.loader import native_dtype
 
     dtype = native_dtype() if args.dtype == "auto" else args.dtype
-    cores = CoreSplit.halves() if args.split_cores else None
+    try:
+        cores = CoreSplit.halves() if args.split_cores else None
+    except ValueError as exc:
+        parser.error(f"--split-cores: {exc}")
     out = Path(args.out)
     done: dict[str, Any] = {"rows": [], "idle": {}}
     out.parent.mkdir(parents=True, exist_ok=True)

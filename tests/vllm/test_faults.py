@@ -56,7 +56,8 @@ REQUEST_S = 300.0  # httpx's bound on one request: never reached unless somethin
 FAULT_S = 150.0  # what a faulted request may take on 2 shared cores (a recompute after the pulls gave up)
 HEAL_S = 120.0  # the relay restarted or resumed and registered again
 # into the request: inside its prefill on either kind of CPU (0.25-0.29 s with AVX-512, 1-4 s with AVX2 only); a
-# fault that comes before the request reaches the prefill instance or its KV the relay ends the same way
+# fault that comes before the request reaches the prefill instance, or before its KV reaches the relay, ends the
+# same way
 FAULT_AFTER_S = 0.12
 PROMPT = " ".join(f"The number {i} is followed by {i + 1}." for i in range(30))  # about 340 tokens: 3 blocks
 ERROR_CODES = {"KV_UNAVAILABLE", "KV_TIMEOUT", "KV_TRUNCATED", "KV_NOT_FOUND"}
