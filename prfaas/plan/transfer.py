@@ -14,7 +14,7 @@ before the pipe is full, so a 31.2 MB blob takes 0.72 s, not the 0.25 s of bytes
 The serving path around it (docs/planning.md): prefill starts computing when the request reaches it and encodes
 each layer's chunks on its engine thread as the layer finishes, so the instance's prefill (the ``prefill_ms`` stage
 it reports) is the forward pass plus the encoding (``encode_ms``, timed by ``prfaas measure``), and in relay mode
-longer while the push holds more than ``PUSH_QUEUE_BYTES`` the link has not taken. Decode's ``transfer_ms`` stage
+longer while the push holds more than its slack the link has not taken. Decode's ``transfer_ms`` stage
 starts when decode hears of the request, which is when prefill answers the router:
 
 - relay mode: prefill pushes to the relay beside decode; the push's handshake and the header's round trip (the
@@ -22,6 +22,10 @@ starts when decode hears of the request, which is when prefill answers the route
   half a round trip from the router, so decode starts 2.5 RTT after prefill;
 - direct mode: prefill answers at once (the blob is in its own store) and decode pulls across the link, its
   request reaching prefill's store half a round trip after its own handshake.
+
+The push's slack is its queue, ``PUSH_QUEUE_BYTES``, plus what its kernel may hold written and not yet sent,
+``UNSENT_BYTES`` (``prfaas.transfer.tcp``). The engine's last chunk goes into the queue once all but the slack has
+been sent, half a round trip before it has all arrived.
 
 With ``made`` the queue and the instance's prefill (when the last chunk exists), from the request reaching
 prefill::
@@ -42,6 +46,8 @@ INITIAL_WINDOW = 10  # segments (RFC 6928, Linux's default initial congestion wi
 TCP_IP_OVERHEAD = 52  # IPv4 20 + TCP 20 + timestamps 12
 CHUNK_BYTES = 1 << 20  # the data plane's default chunk (prfaas.kv.state.DEFAULT_CHUNK_BYTES)
 PUSH_QUEUE_BYTES = 64 << 20  # what a push holds that the link has not taken (prfaas.services.sinks.PUSH_QUEUE_BYTES)
+UNSENT_BYTES = 4 << 20  # what its kernel may hold written and not yet sent (prfaas.transfer.tcp.UNSENT_BYTES)
+PUSH_SLACK_BYTES = PUSH_QUEUE_BYTES + UNSENT_BYTES
 MODES = ("relay", "direct")
 
 
@@ -84,9 +90,9 @@ def predict(seq_len: int, kv_bytes: int, prefill_ms: float, rate_bps: float, rtt
     last = min(chunk_bytes, kv_bytes) * 8 / rate_bps * 1e3 if rate_bps > 0 else math.inf
     busy = prefill_ms + encode_ms
     if mode == "relay":
-        # the engine thread encodes its last chunk once all but the push's queue has left (sent: RTT / 2 early)
-        if kv_bytes > PUSH_QUEUE_BYTES:
-            busy = max(busy, wire_ms(kv_bytes - PUSH_QUEUE_BYTES, rate_bps, rtt_ms, mtu) + rtt_ms / 2 - queue_ms)
+        # the engine thread encodes its last chunk once all but the push's slack has left (sent: RTT / 2 early)
+        if kv_bytes > PUSH_SLACK_BYTES:
+            busy = max(busy, wire_ms(kv_bytes - PUSH_SLACK_BYTES, rate_bps, rtt_ms, mtu) + rtt_ms / 2 - queue_ms)
         stage = max(queue_ms + busy + last + rtt_ms / 2, wire + rtt_ms) - 2.5 * rtt_ms
     elif mode == "direct":
         stage = max(queue_ms + busy + last, wire + rtt_ms / 2)

@@ -68,7 +68,7 @@ async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterabl
                 ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int],
                 on_created: Callable[[], None] | None, ctx: TransferContext) -> None:
     kv_id = put.kv_id
-    conn = await connect(address, ssl, timeout_s)
+    conn = await connect(address, ssl, timeout_s, unsent_bytes=tcp.UNSENT_BYTES)  # back-pressure: see ``tcp``
     reply = asyncio.create_task(_final_reply(conn, on_created, ctx.limits))
     try:
         with mapped(f"push {kv_id}"):

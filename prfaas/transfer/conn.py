@@ -35,13 +35,14 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 async def connect(address: str, ssl: ssl_module.SSLContext | None, timeout_s: float,
-                  bandwidth_bps: float | None = None, rtt_s: float | None = None) -> Conn:
+                  bandwidth_bps: float | None = None, rtt_s: float | None = None,
+                  unsent_bytes: int | None = None) -> Conn:
     """Open a connection (TLS handshake included) within ``timeout_s``; ``KVUnavailable`` if the peer cannot be
-    reached, ``KVUnauthorized`` if its TLS certificate is not trusted. Socket buffers follow ``tcp.tune``."""
+    reached, ``KVUnauthorized`` if its TLS certificate is not trusted. Socket options follow ``tcp.tune``."""
     host, port = split_address(address)
     try:
         async with asyncio.timeout(timeout_s):
-            conn = await Conn.open(host, port, ssl, lambda sock: tcp.tune(sock, bandwidth_bps, rtt_s))
+            conn = await Conn.open(host, port, ssl, lambda sock: tcp.tune(sock, bandwidth_bps, rtt_s, unsent_bytes))
     except ssl_module.SSLCertVerificationError as exc:
         raise KVUnauthorized(f"TLS peer {address} not trusted: {exc.verify_message}") from exc
     except (OSError, TimeoutError, ssl_module.SSLError) as exc:

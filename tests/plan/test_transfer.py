@@ -16,8 +16,18 @@ from prfaas.errors import InvalidRequest
 from prfaas.kv.state import DEFAULT_CHUNK_BYTES
 from prfaas.plan.lengths import LengthDist
 from prfaas.plan.link import LinkSpec, transfer_ms
-from prfaas.plan.transfer import CHUNK_BYTES, INITIAL_WINDOW, PUSH_QUEUE_BYTES, TCP_IP_OVERHEAD, predict, wire_ms
+from prfaas.plan.transfer import (
+    CHUNK_BYTES,
+    INITIAL_WINDOW,
+    PUSH_QUEUE_BYTES,
+    PUSH_SLACK_BYTES,
+    TCP_IP_OVERHEAD,
+    UNSENT_BYTES,
+    predict,
+    wire_ms,
+)
 from prfaas.services import sinks
+from prfaas.transfer import tcp
 from tests.plan.test_cli import FIX, run_json
 
 MSS = 1500 - TCP_IP_OVERHEAD
@@ -68,13 +78,13 @@ def test_decode_starts_when_prefill_answers_and_the_exposed_part_is_what_prefill
 
 def test_the_instance_prefill_is_the_pass_and_the_encoding_or_the_push_holding_it_back() -> None:
     """The engine thread encodes each layer's chunks between two layers, so the prefill an instance reports is the
-    forward pass plus the encoding; in relay mode a blob larger than the push's queue holds the engine until all but
-    the queue has left over the link."""
+    forward pass plus the encoding; in relay mode a blob larger than the push's slack (its queue and what its kernel
+    may hold unsent) holds the engine until all but the slack has left over the link."""
     small = predict(1024, 31_200_000, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40)
     assert small.instance_prefill_ms == 140 and small.exposed_ms == pytest.approx(small.stage_ms - 140)
     big = 200_000_000
     held = predict(16384, big, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40)
-    assert held.instance_prefill_ms == pytest.approx(wire_ms(big - PUSH_QUEUE_BYTES, 1e9, 10) + 5)
+    assert held.instance_prefill_ms == pytest.approx(wire_ms(big - PUSH_SLACK_BYTES, 1e9, 10) + 5)
     assert held.stage_ms == pytest.approx(wire_ms(big, 1e9, 10) + 10 - 25)
     direct = predict(16384, big, prefill_ms=100, rate_bps=1e9, rtt_ms=10, encode_ms=40, mode="direct")
     assert direct.instance_prefill_ms == 140  # the blob goes into prefill's own store: nothing holds it back
@@ -83,6 +93,7 @@ def test_the_instance_prefill_is_the_pass_and_the_encoding_or_the_push_holding_i
 def test_the_models_constants_are_the_data_planes() -> None:
     assert CHUNK_BYTES == DEFAULT_CHUNK_BYTES == TransferConfig().chunk_bytes
     assert PUSH_QUEUE_BYTES == sinks.PUSH_QUEUE_BYTES
+    assert UNSENT_BYTES == tcp.UNSENT_BYTES and PUSH_SLACK_BYTES == PUSH_QUEUE_BYTES + UNSENT_BYTES
 
 
 def test_plan_link_reports_the_transfer_stage_with_a_profile(tmp_path: Path) -> None:
