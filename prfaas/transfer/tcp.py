@@ -82,11 +82,6 @@ class TcpInfo:
     unacked: int = 0  # segments sent and not yet acknowledged
     notsent_bytes: int = 0  # bytes written that the kernel has not sent yet (0 where the kernel does not say)
 
-    @property
-    def buffered_bytes(self) -> int:
-        """What the sender's kernel holds of this connection: written and not yet acknowledged."""
-        return self.unacked * self.snd_mss + self.notsent_bytes
-
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

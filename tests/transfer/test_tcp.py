@@ -28,8 +28,8 @@ def test_long_fat_links_get_larger_buffers_and_short_ones_autotune() -> None:
 
 
 def _fill(sender: socket.socket, receiver: socket.socket) -> tuple[int, int, tcp.TcpInfo]:
-    """Write until the kernel takes no more (the receiver reads nothing); then the bytes written, those queued at the
-    receiver, and the sender's ``TCP_INFO`` once the last segments are acknowledged."""
+    """Write until the kernel takes no more (the receiver reads nothing); then the bytes written, those the sender's
+    kernel still holds (unacknowledged or unsent) and its ``TCP_INFO`` once the last segments are acknowledged."""
     sender.setblocking(False)
     written, data = 0, b"\0" * (1 << 16)
     with contextlib.suppress(BlockingIOError):
@@ -42,19 +42,19 @@ def _fill(sender: socket.socket, receiver: socket.socket) -> tuple[int, int, tcp
         assert info is not None
         fcntl.ioctl(receiver, termios.FIONREAD, queued)
         if info.unacked == 0 or time.monotonic() > deadline:
-            return written, queued[0], info
+            return written - queued[0], info.unacked * info.snd_mss + info.notsent_bytes, info
         time.sleep(0.01)
 
 
 def test_tcp_info_says_what_the_sender_still_holds() -> None:
     """Every byte written is either queued at the receiver (acknowledged) or held by the sender's kernel, unsent
-    behind the closed window: ``buffered_bytes`` accounts for the rest exactly."""
+    behind the closed window: ``TCP_INFO`` accounts for the rest exactly."""
     with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as sender:
         receiver, _ = server.accept()
         with receiver:
-            written, queued, info = _fill(sender, receiver)
+            unread, held, info = _fill(sender, receiver)
     assert info.unacked == 0 and info.notsent_bytes > 0
-    assert info.buffered_bytes + queued == written
+    assert held == unread
 
 
 def test_a_bounded_sender_holds_at_most_its_unsent_bytes() -> None:
@@ -66,6 +66,6 @@ def test_a_bounded_sender_holds_at_most_its_unsent_bytes() -> None:
         sender.connect(server.getsockname())
         receiver, _ = server.accept()
         with receiver:
-            written, queued, info = _fill(sender, receiver)
+            unread, held, info = _fill(sender, receiver)
     assert 0 < info.notsent_bytes <= bound + (1 << 16)
-    assert info.buffered_bytes + queued == written
+    assert held == unread
