@@ -28,8 +28,9 @@ def test_long_fat_links_get_larger_buffers_and_short_ones_autotune() -> None:
 
 
 def _fill(sender: socket.socket, receiver: socket.socket) -> tuple[int, int, tcp.TcpInfo]:
-    """Write until the kernel takes no more (the receiver reads nothing); then the bytes written, those the sender's
-    kernel still holds (unacknowledged or unsent) and its ``TCP_INFO`` once the last segments are acknowledged."""
+    """Write until the kernel takes no more (the receiver reads nothing); then the bytes written that the receiver has
+    not queued, those the sender's kernel says it holds (unacknowledged or unsent) and its ``TCP_INFO``, once the
+    last segments are acknowledged."""
     sender.setblocking(False)
     written, data = 0, b"\0" * (1 << 16)
     with contextlib.suppress(BlockingIOError):
