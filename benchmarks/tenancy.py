@@ -33,6 +33,7 @@ from prfaas.bench.provenance import provenance
 from prfaas.config import from_dict
 from prfaas.kv import BlobWriter, KVState, LayerState
 from prfaas.kv.fingerprint import Fingerprint
+from prfaas.kv.format import state_frames
 from prfaas.messages import InstanceInfo
 from prfaas.scheduler import Scheduler
 from prfaas.store import BlobStore, MemoryBackend
@@ -51,11 +52,7 @@ def kv_frames(mib: int, seed: int) -> tuple[str, list[bytes]]:
             "keys": rng.standard_normal((1, 4, tokens, 64), dtype=np.float32),
             "values": rng.standard_normal((1, 4, tokens, 64), dtype=np.float32)}) for i in range(layers)], 1)
     writer = BlobWriter.for_state(state, chunk_size=MiB)
-    frames = [writer.header_frame()]
-    for layer in state.layers:
-        frames.extend(writer.add_layer(layer))
-    frames.extend(writer.finish(1))
-    return writer.header.kv_id, frames
+    return writer.header.kv_id, list(state_frames(writer, state))
 
 
 def store_round_trips(sealed: bool, blobs: list[tuple[str, list[bytes]]]) -> list[tuple[float, float]]:

@@ -31,7 +31,7 @@ from rich.table import Table
 
 from prfaas.bench.provenance import provenance
 from prfaas.kv import BlobReader, BlobWriter, Fingerprint, KVState, LayerState, new_kv_id
-from prfaas.kv.format import CHUNK_HEAD_SIZE
+from prfaas.kv.format import CHUNK_HEAD_SIZE, state_frames
 from prfaas.store import BlobStore
 from prfaas.transfer import TransferContext, TransferServer, pull, push, release
 from prfaas.transfer import protocol as p
@@ -57,11 +57,7 @@ def make_state(mib: int) -> KVState:
 
 
 def frames_of(state: KVState, chunk: int) -> list[bytes]:
-    writer = BlobWriter.for_state(state, chunk_size=chunk)
-    frames = [writer.header_frame()]
-    for layer in state.layers:
-        frames.extend(writer.add_layer(layer))
-    return frames + writer.finish(state.first_token)
+    return list(state_frames(BlobWriter.for_state(state, chunk_size=chunk), state))
 
 
 def header_for(state: KVState, kv_id: str, like: bytes) -> bytes:

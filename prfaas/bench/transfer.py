@@ -35,7 +35,7 @@ def make_frames(nbytes: int, chunk_bytes: int) -> tuple[str, list[bytes], int]:
     import numpy as np
 
     from prfaas.kv import BlobWriter, Fingerprint, KVState, LayerState
-    from prfaas.kv.format import CHUNK_HEAD_SIZE
+    from prfaas.kv.format import CHUNK_HEAD_SIZE, state_frames
 
     per_tensor = max(HEADS * DIM * 2, nbytes // (2 * LAYERS))
     tokens = per_tensor // (HEADS * DIM * 2)
@@ -45,10 +45,7 @@ def make_frames(nbytes: int, chunk_bytes: int) -> tuple[str, list[bytes], int]:
     state = KVState(Fingerprint("bench", "llama", "a" * 16, "b" * 16, "float16", 1 << 20), tokens, layers,
                     first_token=1)
     writer = BlobWriter.for_state(state, chunk_size=chunk_bytes)
-    frames = [writer.header_frame()]
-    for layer in layers:
-        frames.extend(writer.add_layer(layer))
-    frames.extend(writer.finish(1))
+    frames = list(map(bytes, state_frames(writer, state)))
     return writer.header.kv_id, frames, sum(len(f) for f in frames[1:-1]) - (len(frames) - 2) * CHUNK_HEAD_SIZE
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ import xxhash
 from prfaas.errors import KVBadFormat, KVCorrupt, KVIncompatible, KVTooLarge, KVTruncated
 from prfaas.kv import codecs
 from prfaas.kv.fingerprint import FORMAT_VERSION, SUPPORTED_VERSIONS, Fingerprint
+from prfaas.kv.frames import FramePool
 from prfaas.kv.kvid import check_kv_id, new_kv_id
 from prfaas.kv.state import DEFAULT_CHUNK_BYTES, LAYER_KINDS, KVState, LayerState, PrefixRef
 from prfaas.limits import DEFAULT as DEFAULT_LIMITS
@@ -129,13 +131,18 @@ def _unpack(data: bytes | memoryview) -> Any:
         raise KVBadFormat(f"undecodable msgpack field: {exc}") from exc
 
 
+Frame = bytes | bytearray  # a writer's frame: a pooled chunk frame is its buffer (prfaas.kv.frames)
+
+
 class BlobWriter:
     """Builds a blob incrementally: ``header_frame()``, then ``add_layer()`` per layer, then ``finish()``.
 
-    ``add_layer`` returns the chunk frames that became complete, so a caller can send them at once.
+    ``add_layer`` returns the chunk frames that became complete, so a caller can send them at once. With a
+    ``pool`` (``prfaas.kv.frames``), full chunk frames are its reused ``bytearray`` buffers: a caller drops each
+    one once sent, and must not keep it past that if it wants the memory reused.
     """
 
-    def __init__(self, header: BlobHeader, version: int = 0) -> None:
+    def __init__(self, header: BlobHeader, version: int = 0, pool: FramePool | None = None) -> None:
         """``version``: the blob format to write (0: the current one); see ``negotiate_version``."""
         self.header = header
         self.version = version or FORMAT_VERSION
@@ -149,16 +156,17 @@ class BlobWriter:
         self._total = 0
         self._hash = xxhash.xxh64()
         self._frame_bytes = 0
+        self._pool = pool
 
     @classmethod
     def for_state(cls, state: KVState, codec: str = "none", kv_id: str | None = None,
-                  chunk_size: int = DEFAULT_CHUNK_BYTES) -> BlobWriter:
+                  chunk_size: int = DEFAULT_CHUNK_BYTES, pool: FramePool | None = None) -> BlobWriter:
         header = BlobHeader(
             kv_id=kv_id or state.kv_id or new_kv_id(state.fingerprint.short_hash()),
             fingerprint=state.fingerprint, codec=codecs.check_codec(codec), seq_len=state.seq_len,
             cache=state.cache, chunk_size=chunk_size, layers=tuple(x.table_entry() for x in state.layers),
             created_ms=int(time.time() * 1000), prefix=state.prefix)
-        return cls(header)
+        return cls(header, pool=pool)
 
     @property
     def chunks_written(self) -> int:
@@ -175,7 +183,7 @@ class BlobWriter:
         self._frame_bytes += len(frame)
         return frame
 
-    def add_layer(self, layer: LayerState) -> list[bytes]:
+    def add_layer(self, layer: LayerState) -> list[Frame]:
         encoded = [codecs.encode(name, arr, self.header.codec, layer.role(name)) for name, arr in
                    layer.tensors.items()]
         meta = _pack({**layer.table_entry(), "attrs": layer.attrs, "tensors": [e.desc for e in encoded]})
@@ -186,7 +194,7 @@ class BlobWriter:
                 self._pending += np.ascontiguousarray(part).view(np.uint8).reshape(-1).data
         return self._cut(final=False)
 
-    def finish(self, first_token: int | None) -> list[bytes]:
+    def finish(self, first_token: int | None) -> list[Frame]:
         frames = self._cut(final=True)
         meta = _pack({"total_bytes": self._total, "chunk_count": self._index,
                       "payload_xxh64": self._hash.intdigest(), "first_token": first_token})
@@ -194,20 +202,32 @@ class BlobWriter:
         self._frame_bytes += len(frames[-1])
         return frames
 
-    def _cut(self, final: bool) -> list[bytes]:
+    def _cut(self, final: bool) -> list[Frame]:
         size, off, frames = self.header.chunk_size, 0, []
         view = memoryview(self._pending)
         while len(view) - off >= size or (final and off < len(view)):
-            data = bytes(view[off:off + size])
+            data = view[off:off + size]
             off += len(data)
-            frames.append(chunk_frame_head(self._index, data) + data)
-            self._frame_bytes += len(frames[-1])
+            frame = self._frame(chunk_frame_head(self._index, data), data)
+            frames.append(frame)
+            self._frame_bytes += len(frame)
             self._hash.update(data)
             self._index += 1
             self._total += len(data)
+            data.release()
         view.release()
         del self._pending[:off]
         return frames
+
+    def _frame(self, head: bytes, data: memoryview) -> Frame:
+        """``head`` + ``data`` in one buffer: for a full chunk the pool's, when it has one free, else new memory."""
+        full = self._pool is not None and len(data) == self.header.chunk_size
+        buffer = self._pool.take(len(head) + len(data)) if self._pool is not None and full else None
+        if buffer is None:
+            return b"".join((head, data))
+        buffer[:len(head)] = head
+        buffer[len(head):] = data
+        return buffer
 
 
 def chunk_frame_head(index: int, data: bytes | memoryview) -> bytes:
@@ -452,12 +472,17 @@ class BlobReader:
 def encode_state(state: KVState, codec: str = "none", kv_id: str | None = None,
                  chunk_size: int = DEFAULT_CHUNK_BYTES) -> bytes:
     """The whole blob of ``state`` (header, chunks, trailer) as one bytes object."""
-    writer = BlobWriter.for_state(state, codec=codec, kv_id=kv_id, chunk_size=chunk_size)
-    out = [writer.header_frame()]
+    return b"".join(state_frames(BlobWriter.for_state(state, codec=codec, kv_id=kv_id, chunk_size=chunk_size),
+                                 state))
+
+
+def state_frames(writer: BlobWriter, state: KVState) -> Iterator[Frame]:
+    """Every frame of ``state``'s blob in order, as ``writer`` (made for it) writes them: the header, each layer's
+    chunks as the layer is added, the rest with the trailer."""
+    yield writer.header_frame()
     for layer in state.layers:
-        out.extend(writer.add_layer(layer))
-    out.extend(writer.finish(state.first_token))
-    return b"".join(out)
+        yield from writer.add_layer(layer)
+    yield from writer.finish(state.first_token)
 
 
 def decode_state(blob: bytes | bytearray | memoryview, max_bytes: int | None = None,

@@ -20,6 +20,7 @@ from prfaas.events import Accepted, Failed, PrefillDone, PrefillEvent
 from prfaas.kv import FORMAT_VERSION, BlobHeader, BlobWriter, LayerState, check_kv_id
 from prfaas.kv.fingerprint import negotiate_version
 from prfaas.kv.format import PREFIX_VERSION
+from prfaas.kv.frames import FRAME_POOL_BYTES, FramePool
 from prfaas.kv.prefix import pool_tenant
 from prfaas.kv.state import PrefixRef
 from prfaas.kv.suffix import cut
@@ -52,6 +53,7 @@ class PrefillService:
         self.scheduler = PrefillScheduler(engine, config.prefill_max_batch, config.prefill_batch_tokens,
                                           config.prefill_chunk_tokens, prefix)
         self._slots = FairSlots(transfer.max_inflight_kv)  # blobs in flight, shared fairly by client clusters
+        self.frames = FramePool(FRAME_POOL_BYTES)  # pushes' chunk frames, reused once sent (prfaas.kv.frames)
 
     async def prefill(self, request: PrefillRequest, cluster: ClusterPolicy = DEFAULT_POLICY
                       ) -> AsyncIterator[PrefillEvent]:
@@ -70,7 +72,8 @@ class PrefillService:
         sampling = request.sampling
         self.engine.check_prompt(request.token_ids)  # a prompt the engine refuses is refused before `accepted`
         version = negotiate_version([request.format_version]) if request.format_version else FORMAT_VERSION
-        writer = BlobWriter(self._header(request, version), version)
+        # a push lets its frames go once sent, so they can be reused; a store keeps its own copy
+        writer = BlobWriter(self._header(request, version), version, self.frames if request.push_to else None)
         sink = self._sink(request, writer.header_frame())
         started = time.perf_counter()
         done = self._submit(request.token_ids, sampling, writer, sink, cluster,

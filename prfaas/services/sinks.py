@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from prfaas.errors import KVTimeout, PrfaasError
+from prfaas.kv.format import Frame
 from prfaas.store import BlobStore, accessing
 from prfaas.transfer import TransferContext, push
 
@@ -26,10 +27,10 @@ class FrameSink(Protocol):
     async def ready(self) -> None:
         """Returns once the blob exists where its readers look; raises the sink's error otherwise."""
 
-    def hand_over(self, frames: list[bytes]) -> None:
+    def hand_over(self, frames: list[Frame]) -> None:
         """Engine thread: queue ``frames``; may block while the sink is full (back-pressure)."""
 
-    async def finish(self, frames: list[bytes]) -> None: ...
+    async def finish(self, frames: list[Frame]) -> None: ...
     async def abort(self, reason: str) -> None: ...
 
 
@@ -46,18 +47,18 @@ class StoreSink:
     async def ready(self) -> None:
         return None  # created in __init__
 
-    def hand_over(self, frames: list[bytes]) -> None:
+    def hand_over(self, frames: list[Frame]) -> None:
         self._loop.call_soon_threadsafe(self._append, frames)  # the store is the event loop's
 
-    def _append(self, frames: list[bytes]) -> None:
+    def _append(self, frames: list[Frame]) -> None:
         if self._aborted:  # layers the engine finished after the request ended: nobody wants them
             return
         for frame in frames:
-            self.store.append(self.kv_id, frame)
+            self.store.append(self.kv_id, bytes(frame))  # a no-op for bytes: a store keeps no pooled buffer
 
-    async def finish(self, frames: list[bytes]) -> None:
+    async def finish(self, frames: list[Frame]) -> None:
         self._append(frames[:-1])
-        self.store.finish(self.kv_id, frames[-1])
+        self.store.finish(self.kv_id, bytes(frames[-1]))
 
     async def abort(self, reason: str) -> None:
         self._aborted = True
@@ -87,7 +88,7 @@ class PushSink:
         self._ended = False
         # One queue for both threads, in the order the frames were handed over (guarded by _room): the engine
         # thread's last chunks come before the trailer ``finish`` adds, however late the loop wakes for them.
-        self._pending: deque[bytes] = deque()
+        self._pending: deque[Frame] = deque()
         self._arrived = asyncio.Event()  # set on the loop when _pending may have grown
         self._created: asyncio.Future[None] = self._loop.create_future()
         self._add(header)
@@ -110,13 +111,13 @@ class PushSink:
         if not self._created.done():
             await self._task  # it ended before the relay created the blob: its error says why
 
-    def hand_over(self, frames: list[bytes]) -> None:
+    def hand_over(self, frames: list[Frame]) -> None:
         for frame in frames:
             if not self._wait_room(frame):
                 return  # refused or ended: nothing more is queued; finish raises why
             self._loop.call_soon_threadsafe(self._arrived.set)
 
-    def _wait_room(self, frame: bytes) -> bool:
+    def _wait_room(self, frame: Frame) -> bool:
         n = len(frame)
         wait_s = 0.0 if threading.get_ident() == self._loop_thread else self._timeout_s  # the loop cannot wait
         with self._room:
@@ -133,14 +134,14 @@ class PushSink:
             self._pending.append(frame)
             return True
 
-    def _add(self, frame: bytes) -> None:
+    def _add(self, frame: Frame) -> None:
         """Event loop: queue a frame without waiting (the header, the last layer and the trailer)."""
         with self._room:
             self._queued += len(frame)
             self._pending.append(frame)
         self._arrived.set()
 
-    async def _frames(self) -> AsyncIterator[bytes]:
+    async def _frames(self) -> AsyncIterator[Frame]:
         while True:
             with self._room:
                 frame = self._pending.popleft() if self._pending else None
@@ -164,7 +165,7 @@ class PushSink:
             self._ended = self._ended or ended
             self._room.notify_all()
 
-    async def finish(self, frames: list[bytes]) -> None:
+    async def finish(self, frames: list[Frame]) -> None:
         if self._refused is None:
             for frame in [*frames, b""]:
                 self._add(frame)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable
 from typing import Any
 
 from prfaas.errors import KVTimeout, PrfaasError
-from prfaas.kv.format import CHUNK_HEAD_SIZE
+from prfaas.kv.format import CHUNK_HEAD_SIZE, Frame
 from prfaas.limits import WireLimits
 from prfaas.records import DeletionRecord, StoreStats
 from prfaas.transfer import protocol as p
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 EARLY_REPLY_S = 0.5
 
 
-async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable[bytes], *,
+async def push(address: str, kv_id: str, frames: AsyncIterable[Frame] | Iterable[Frame], *,
                ssl: ssl_module.SSLContext | None = None, timeout_s: float, idle_s: float = 30.0,
                deadline_s: float | None = None, tenant: str = "", ttl_s: float = 0.0,
                on_created: Callable[[], None] | None = None, context: TransferContext | None = None) -> None:
@@ -64,7 +64,7 @@ async def push(address: str, kv_id: str, frames: AsyncIterable[bytes] | Iterable
         recorder.finished(True, time.perf_counter() - start, sent[0])
 
 
-async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterable[bytes],
+async def _push(address: str, put: p.Put, frames: AsyncIterable[Frame] | Iterable[Frame],
                 ssl: ssl_module.SSLContext | None, timeout_s: float, sent: list[int],
                 on_created: Callable[[], None] | None, ctx: TransferContext) -> None:
     kv_id = put.kv_id
@@ -87,7 +87,7 @@ async def _push(address: str, put: p.Put, frames: AsyncIterable[bytes] | Iterabl
         await close(conn)
 
 
-async def _send_frames(conn: Conn, frames: AsyncIterable[bytes] | Iterable[bytes], timeout_s: float,
+async def _send_frames(conn: Conn, frames: AsyncIterable[Frame] | Iterable[Frame], timeout_s: float,
                        reply: asyncio.Task[p.Message], sent: list[int]) -> None:
     async for frame in _frames(frames):
         if reply.done():
@@ -113,7 +113,7 @@ async def _raise_early_reply(reply: asyncio.Task[p.Message]) -> None:
         p.expect(reply.result(), p.Ok)
 
 
-async def _frames(frames: AsyncIterable[bytes] | Iterable[bytes]) -> AsyncIterator[bytes]:
+async def _frames(frames: AsyncIterable[Frame] | Iterable[Frame]) -> AsyncIterator[Frame]:
     if isinstance(frames, AsyncIterable):
         async for frame in frames:
             yield frame

@@ -39,7 +39,8 @@ from typing import Any, TypeVar
 
 from prfaas import tls as tls_contexts
 from prfaas.errors import KVNotFound, KVTimeout, KVUnavailable, PrfaasError
-from prfaas.kv.format import BlobHeader, BlobReader, BlobWriter
+from prfaas.kv.format import BlobHeader, BlobReader, BlobWriter, Frame
+from prfaas.kv.frames import FRAME_POOL_BYTES, FramePool
 from prfaas.kv.state import KVState, LayerState
 from prfaas.limits import DEFAULT as DEFAULT_LIMITS
 from prfaas.messages import MAX_TCP_PEERS
@@ -100,7 +101,7 @@ class _Outgoing:
             _not_written(self.kv_id, exc)
             self.plane.on_loop(_abort(sink))
 
-    async def _finish(self, sink: FrameSink, frames: list[bytes]) -> None:
+    async def _finish(self, sink: FrameSink, frames: list[Frame]) -> None:
         try:
             await sink.finish(frames)
         except Exception as exc:  # refused push, store full, relay gone: the consumer recomputes
@@ -135,6 +136,7 @@ class DataPlane:
         self.client_ssl = tls_contexts.client_context(settings.tls) if tls_contexts.enabled(settings.tls) else None
         # what this connector's pulls share (arenas, verify threads, retry cap); its pulls are not bounded in number
         self.transfer = TransferContext.for_role(DEFAULT_LIMITS, self.client_ssl, max_inflight_kv=0)
+        self.frames = FramePool(FRAME_POOL_BYTES)  # pushes' chunk frames, reused once sent (prfaas.kv.frames)
         self.store: BlobStore | None = None
         self.server: TransferServer | None = None
         self._outgoing: dict[str, _Outgoing] = {}  # the encoder thread's
@@ -237,7 +239,7 @@ class DataPlane:
     def _begin(self, header: BlobHeader, relay: str | None) -> None:
         """Encoder thread: open the blob's sink on the loop (bounded); a blob that cannot start is logged and
         skipped (consumer: ``KV_NOT_FOUND``, recompute)."""
-        writer = BlobWriter(header)
+        writer = BlobWriter(header, pool=self.frames if relay else None)  # a store keeps its own copy
         opening = self.call(self._open(header.kv_id, writer.header_frame(), relay))
         try:
             sink = opening.result(START_S)

@@ -8,18 +8,13 @@ import xxhash
 
 from prfaas.errors import KVBadFormat, KVCorrupt, KVTooLarge, PrfaasError
 from prfaas.kv import BlobReader, BlobWriter
-from prfaas.kv.format import CHUNK_HEAD_SIZE, parse_chunk_head
+from prfaas.kv.format import CHUNK_HEAD_SIZE, parse_chunk_head, state_frames
 from tests.kv.test_format import assert_same, make_state
 
 
 def _frames(chunk_size: int = 4096) -> tuple[list[bytes], object]:
     state = make_state(tokens=120)
-    writer = BlobWriter.for_state(state, chunk_size=chunk_size)
-    frames = [writer.header_frame()]
-    for layer in state.layers:
-        frames.extend(writer.add_layer(layer))
-    frames.extend(writer.finish(state.first_token))
-    return frames, state
+    return list(state_frames(BlobWriter.for_state(state, chunk_size=chunk_size), state)), state
 
 
 def test_fed_bytes_land_in_the_arena_and_tensors_are_views_of_it() -> None:

@@ -13,6 +13,7 @@ from prfaas.cli import app
 from prfaas.engine import BUILTIN_MODELS
 from prfaas.engine.measure import encoded, mla_layout_of, prompt, run_measure
 from prfaas.kv import encode_state
+from prfaas.kv.frames import FRAME_POOL_BYTES, FramePool
 from prfaas.kv.state import ATTENTION_KINDS
 from prfaas.plan import plan_from_path
 
@@ -51,7 +52,7 @@ def test_measure_cli_profile_shape() -> None:
 def test_measured_blob_bytes_are_the_whole_blob_as_encode_state_writes_it(engines: Any) -> None:
     kv = engines("tiny-llama").prefill(prompt(40, 1000)).kv
     for codec in ("none", "int8"):
-        size, seconds = encoded(kv, codec)
+        size, seconds = encoded(kv, codec, FramePool(FRAME_POOL_BYTES))
         assert size == len(encode_state(kv, codec=codec)) and seconds > 0
 
 

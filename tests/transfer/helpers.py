@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from prfaas.kv import BlobWriter, Fingerprint, KVState, LayerState
+from prfaas.kv.format import state_frames
 from prfaas.store import BlobStore
 
 T = TypeVar("T")
@@ -39,11 +40,7 @@ def make_state(layers: int = 6, tokens: int = 256, seed: int = 0) -> KVState:
 def blob_frames(state: KVState, chunk_size: int = 64 << 10) -> tuple[str, list[bytes]]:
     """``(kv_id, [header, chunk…, trailer])`` for ``state``."""
     writer = BlobWriter.for_state(state, chunk_size=chunk_size)
-    frames = [writer.header_frame()]
-    for layer in state.layers:
-        frames.extend(writer.add_layer(layer))
-    frames.extend(writer.finish(state.first_token))
-    return writer.header.kv_id, frames
+    return writer.header.kv_id, list(state_frames(writer, state))
 
 
 def fill(store: BlobStore, kv_id: str, frames: list[bytes]) -> None:
