@@ -221,8 +221,8 @@ class BlobWriter:
 
     def _frame(self, head: bytes, data: memoryview) -> Frame:
         """``head`` + ``data`` in one buffer: for a full chunk the pool's, when it has one free, else new memory."""
-        full = self._pool is not None and len(data) == self.header.chunk_size
-        buffer = self._pool.take(len(head) + len(data)) if self._pool is not None and full else None
+        pool = self._pool if len(data) == self.header.chunk_size else None
+        buffer = pool.take(len(head) + len(data)) if pool is not None else None
         if buffer is None:
             return b"".join((head, data))
         buffer[:len(head)] = head

@@ -1,10 +1,9 @@
 """Reused memory for the chunk frames a ``BlobWriter`` writes: the sending side's counterpart of the receiving side's
 arenas (``prfaas.transfer.buffers``).
 
-Why: a frame written into fresh memory pays a page fault per 4 KiB page on first touch. Encoding a 155 MB blob
-(Kimi-Linear-48B at 16,384 tokens) took 80–92 ms with 30,000–39,000 faults when every frame was new memory, and
-35 ms with none when its frames were written into memory touched before; the encoding runs on the prefill
-instance's engine thread between two layers, so that difference is the prefill's.
+Why: a frame written into fresh memory pays a page fault per 4 KiB page on first touch, which made encoding a
+blob more than twice as slow as writing it into memory touched before (figures: docs/transport.md). The encoding
+runs on the prefill instance's engine thread between two layers, so that difference is the prefill's.
 
 Reuse rule (the arenas' rule): a buffer goes to a new frame only once nothing else refers to it. The pool keeps
 every buffer it made; a frame handed out is that ``bytearray`` itself, and a push's queue, its socket write or
