@@ -225,8 +225,9 @@ class BlobWriter:
         buffer = pool.take(len(head) + len(data)) if pool is not None else None
         if buffer is None:
             return b"".join((head, data))
-        buffer[:len(head)] = head
-        buffer[len(head):] = data
+        with memoryview(buffer) as view:  # a bytearray's own slice assignment would copy ``data`` twice
+            view[:len(head)] = head
+            view[len(head):] = data
         return buffer
 
 
