@@ -281,10 +281,12 @@ class BlobReader:
     """
 
     def __init__(self, max_bytes: int | None = None, arena: np.ndarray | None = None, retain: bool = True,
-                 limits: WireLimits = DEFAULT_LIMITS) -> None:
+                 limits: WireLimits = DEFAULT_LIMITS, pool: FramePool | None = None) -> None:
+        """``pool``: where a chunk is received without an arena (``chunk_view``), reused once it is parsed."""
         if arena is not None and not retain:
             raise ValueError("a reader that keeps nothing takes no arena")
         self.limits = limits
+        self._pool = pool
         self.max_bytes = limits.max_blob_bytes if max_bytes is None else max_bytes
         self.retain = retain
         self.header: BlobHeader | None = None
@@ -313,9 +315,10 @@ class BlobReader:
         return True
 
     def chunk_view(self, index: int, length: int) -> memoryview:
-        """Where chunk ``index`` of ``length`` bytes should be received: its place in the arena, or a fresh buffer
-        without one. ``KVBadFormat`` over the chunk size, ``KVTooLarge`` past ``max_bytes`` or the arena. Safe
-        from another thread than the one feeding (it only reads the header)."""
+        """Where chunk ``index`` of ``length`` bytes should be received: its place in the arena, or without one a
+        buffer of the reader's pool (a full chunk's, when one is free) or a fresh one. ``KVBadFormat`` over the
+        chunk size, ``KVTooLarge`` past ``max_bytes`` or the arena. Safe from another thread than the one feeding
+        (it only reads the header)."""
         if self.header is None:
             raise KVBadFormat("chunk before the blob header")
         size = self.header.chunk_size
@@ -323,7 +326,8 @@ class BlobReader:
             raise KVBadFormat(f"chunk {index} is {length} bytes, over the blob's chunk size")
         arena = self._payload.arena
         if arena is None:
-            return memoryview(bytearray(length))
+            buffer = self._pool.take(length) if self._pool is not None and length == size else None
+            return memoryview(buffer if buffer is not None else bytearray(length))
         start = index * size
         if start + length > min(len(arena), self.max_bytes):
             raise KVTooLarge(f"chunk {index} ends past the {min(len(arena), self.max_bytes)}-byte limit")

@@ -17,6 +17,7 @@ from prfaas.config import Config
 from prfaas.errors import InvalidRequest, KVNotFound, KVPrefixMissing, PrfaasError
 from prfaas.events import Done, Failed, GenerateEvent, Stages, Token
 from prfaas.kv import BlobReader, KVState
+from prfaas.kv.frames import FRAME_POOL_BYTES, FramePool
 from prfaas.messages import GenerateRequest, SamplingParams, TcpPeer
 from prfaas.obs import metrics
 from prfaas.security.runtime import PLAINTEXT, Security
@@ -45,6 +46,7 @@ class DecodeService:
         self.reserved_kv_bytes = 0
         self.fixed_bytes, self.bytes_per_token = engine.kv_footprint
         self.keeps_kv = engine.keeps_kv  # False: pulled KV is verified, then dropped
+        self.frames = FramePool(FRAME_POOL_BYTES)  # chunks pulled without an arena (keeps_kv False), reused
         self.tokenizing = Tokenizing(engine.tokenizer, engine.max_seq_len)
         # what every pull of this role shares: limits, client TLS, max_inflight_kv, arenas, verify threads, stats
         self.transfer = TransferContext.for_role(config.limits, security.client_ssl(),
@@ -157,7 +159,7 @@ class DecodeService:
         timeout_s = self.config.transfer.kv_transfer_timeout_ms / 1e3 + 10.0
         while True:
             try:
-                reader = BlobReader(retain=self.keeps_kv, limits=self.transfer.limits)
+                reader = BlobReader(retain=self.keeps_kv, limits=self.transfer.limits, pool=self.frames)
                 kv = await pull(request.kv_address, request.kv_id, reader, timeout_s=timeout_s,
                                 retries=self.config.transfer.kv_retry_budget,
                                 streams=self.config.transfer.transfer_streams,

@@ -55,6 +55,7 @@ from prfaas.kv.format import (
     meta_length,
     parse_chunk_head,
 )
+from prfaas.kv.frames import FramePool
 from prfaas.limits import DEFAULT as DEFAULT_LIMITS
 from prfaas.limits import WireLimits
 from prfaas.records import DeletionRecord, StoreStats
@@ -178,9 +179,10 @@ class Frame:
 
 
 async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | None = None,
-                     limits: WireLimits = DEFAULT_LIMITS) -> Frame:
+                     limits: WireLimits = DEFAULT_LIMITS, pool: FramePool | None = None) -> Frame:
     """Read exactly one frame from ``conn``. A chunk's data goes into ``buffer(length)`` when given (the caller's
-    preallocated memory), else into a fresh buffer that also holds the head (``frame``). ``KVCorrupt`` for a
+    preallocated memory), else into a buffer that also holds the head (``frame``): ``pool``'s when it has one
+    free of that size, else a fresh one. ``KVCorrupt`` for a
     damaged head or an unknown tag, ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError``
     if the peer closes mid-frame. ``max_chunk`` defaults to ``limits.max_chunk_bytes``."""
     tag = bytes(await conn.read_exactly(1))
@@ -194,7 +196,7 @@ async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | 
             data = buffer(length)
             await conn.recv_exactly(data)
             return Frame(tag, head, data, index, checksum)
-        whole = await _read_chunk(conn, head, length)
+        whole = await _read_chunk(conn, head, length, pool if length == max_chunk else None)  # full chunks only
         return Frame(tag, head, memoryview(whole)[CHUNK_HEAD_SIZE:], index, checksum, frame=whole)
     if tag in (b"P", b"T"):
         head = tag + bytes(await conn.read_exactly((HEADER_HEAD_SIZE if tag == b"P" else TRAILER_HEAD_SIZE) - 1))
@@ -205,14 +207,17 @@ async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | 
     raise KVCorrupt(f"damaged frame: unknown tag {tag!r}")
 
 
-async def _read_chunk(conn: Conn, head: bytes, length: int) -> bytearray | memoryview:
+async def _read_chunk(conn: Conn, head: bytes, length: int, pool: FramePool | None) -> bytearray | memoryview:
     """A chunk frame (``head`` + ``length`` payload bytes) received in place into one buffer. Up to
-    ``LAZY_FROM`` bytes that is a ``bytearray`` (the default chunk size; the allocator hands back warm memory);
-    a larger chunk goes into anonymous memory that the kernel commits page by page as the payload is written
-    into it: no zero-fill pass, no copy, and a peer that claims a large chunk and sends little holds only the
-    pages it filled."""
-    whole = bytearray(CHUNK_HEAD_SIZE + length) if length <= LAZY_FROM else _lazy(CHUNK_HEAD_SIZE + length)
-    whole[:CHUNK_HEAD_SIZE] = head
+    ``LAZY_FROM`` bytes (the default chunk size) that is a ``bytearray``: one of ``pool``'s that nothing holds any
+    more (memory touched before, prfaas.kv.frames), else a new one. A larger chunk goes into anonymous memory that
+    the kernel commits page by page as the payload is written into it: no zero-fill pass, no copy, and a peer that
+    claims a large chunk and sends little holds only the pages it filled."""
+    size = CHUNK_HEAD_SIZE + length
+    whole: bytearray | memoryview | None = pool.take(size) if pool is not None and length <= LAZY_FROM else None
+    if whole is None:
+        whole = bytearray(size) if length <= LAZY_FROM else _lazy(size)
+    memoryview(whole)[:CHUNK_HEAD_SIZE] = head
     await conn.recv_exactly(memoryview(whole)[CHUNK_HEAD_SIZE:])
     return whole
 

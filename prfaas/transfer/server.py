@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from prfaas.errors import InvalidRequest, KVBadFormat, KVTimeout, KVUnauthorized, KVUnavailable, PrfaasError
 from prfaas.kv.format import parse_header
+from prfaas.kv.frames import FramePool
 from prfaas.limits import WireLimits
 from prfaas.store.access import accessing
 from prfaas.store.memory import BlobStore
@@ -30,6 +31,7 @@ from prfaas.transfer.wire import Conn
 
 log = logging.getLogger(__name__)
 MAX_WAIT_S = 60.0  # a client's wait_ms is capped at this
+RECEIVE_POOL_BYTES = 256 << 20  # at most this much pushed-chunk memory (or the store's budget) is kept for reuse
 LINGER_S = 0.5  # after an error reply, read and drop what the peer still sends, so our close does not reset it
 
 
@@ -48,6 +50,8 @@ class TransferServer:
         self.on_tls_refused = on_tls_refused  # a failed handshake (None: a plaintext peer), e.g. to the audit log
         self.idle_s, self.send_timeout_s, self.max_connections = idle_s, send_timeout_s, max_connections
         self.connections = 0  # accepted since start (tests count retries with it)
+        # pushed chunks, received into buffers that blobs released before them left (prfaas.kv.frames)
+        self.frames = FramePool(min(store.budget_bytes, RECEIVE_POOL_BYTES))
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -189,7 +193,7 @@ class TransferServer:
         """Store the next frame of a Put (received into its own buffer, kept as is); True once the trailer is in."""
         try:
             async with asyncio.timeout(wait_s):
-                frame = await p.read_frame(conn, chunk_size, limits=self.limits)
+                frame = await p.read_frame(conn, chunk_size, limits=self.limits, pool=self.frames)
         except TimeoutError as exc:
             raise KVTimeout(f"pusher of {kv_id} sent nothing for {wait_s:.3f} s") from exc
         if frame.tag == b"C":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from prfaas.kv import BlobReader, KVState
+from prfaas.kv.frames import FramePool
 from prfaas.store import BlobStore
 from prfaas.transfer import TransferContext, TransferServer, pull, push, release
 from prfaas.transfer.buffers import ArenaPool
@@ -87,3 +88,33 @@ def test_a_burst_does_not_pin_its_peak_memory() -> None:
     del burst
     again = pool.take(MiB)  # one reused, one spare kept, the other two unmapped
     assert pool.arenas == 2 and pool.reused == 1 and again.nbytes >= MiB
+
+
+def test_a_store_receives_pushes_into_buffers_released_blobs_left_and_never_into_a_held_one() -> None:
+    states = [make_state(layers=4, tokens=256, seed=s) for s in range(4)]
+    blobs = [blob_frames(s, chunk_size=64 << 10) for s in states]
+    reader_pool = FramePool(8 << 20)
+
+    async def scenario() -> None:
+        server = TransferServer(BlobStore(64 * MiB, 60.0))
+        address = f"127.0.0.1:{await server.start()}"
+        try:
+            await push(address, blobs[0][0], blobs[0][1], timeout_s=5.0)  # held by the store throughout
+            made = server.frames.held_bytes
+            for kv_id, frames in blobs[1:]:  # each released before the next arrives
+                await push(address, kv_id, frames, timeout_s=5.0)
+                index = blobs.index((kv_id, frames))
+                assert_same(states[index], await pull(address, kv_id, BlobReader(), timeout_s=5.0))
+                # a reader that keeps nothing receives into its own pool's buffers, reused chunk after chunk
+                kept_nothing = await pull(address, kv_id, BlobReader(retain=False, pool=reader_pool), timeout_s=5.0)
+                assert kept_nothing.nbytes == states[index].nbytes
+                await release(address, kv_id)
+            assert server.frames.reused >= 2 * (len(blobs[1][1]) - 3)  # the last two blobs: the first one's buffers
+            assert server.frames.held_bytes <= 2 * made
+            assert reader_pool.reused > 0 and reader_pool.held_bytes < 8 << 20
+            assert_same(states[0], await pull(address, blobs[0][0], BlobReader(), timeout_s=5.0))  # intact
+            await release(address, blobs[0][0])
+        finally:
+            await server.close()
+
+    run(scenario)
