@@ -319,7 +319,9 @@ def run_grid(args: argparse.Namespace, tmp: Path) -> None:
                          "--offload-threshold", "64", "--config", str(config)], tmp / "up.log", cwd=ROOT)
         try:
             url = f"http://{TOPO.wires[0].public}:{PORT}"
-            asyncio.run(serve(url, [LENGTHS[0]], seed=99))  # warm-up: connections opened, first request paid
+            # warm-up, every measured length once: connections opened, each size's first request (the frame
+            # pools' first fill on every role) paid before any setting is measured
+            asyncio.run(serve(url, list(LENGTHS), seed=99))
             for rate, rtt_ms, loss in grid(args):
                 row = run_setting(lab, url, rate, rtt_ms, loss, tmp, profile_file, profile, args.repeats, proc.pid)
                 rows.append(row)
