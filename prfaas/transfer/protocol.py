@@ -181,10 +181,10 @@ class Frame:
 async def read_frame(conn: Conn, max_chunk: int | None = None, buffer: Buffer | None = None,
                      limits: WireLimits = DEFAULT_LIMITS, pool: FramePool | None = None) -> Frame:
     """Read exactly one frame from ``conn``. A chunk's data goes into ``buffer(length)`` when given (the caller's
-    preallocated memory), else into a buffer that also holds the head (``frame``): ``pool``'s when it has one
-    free of that size, else a fresh one. ``KVCorrupt`` for a
-    damaged head or an unknown tag, ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError``
-    if the peer closes mid-frame. ``max_chunk`` defaults to ``limits.max_chunk_bytes``."""
+    preallocated memory), else into a buffer that also holds the head (``frame``): for a full chunk (``max_chunk``
+    bytes) ``pool``'s when it has one free, else a fresh one. ``KVCorrupt`` for a damaged head or an unknown tag,
+    ``KVBadFormat`` for a length over its limit, ``asyncio.IncompleteReadError`` if the peer closes mid-frame.
+    ``max_chunk`` defaults to ``limits.max_chunk_bytes``."""
     tag = bytes(await conn.read_exactly(1))
     if tag == b"C":
         head = tag + bytes(await conn.read_exactly(CHUNK_HEAD_SIZE - 1))
